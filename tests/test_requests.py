@@ -1,0 +1,112 @@
+"""Bad input gets a clear error, aborts free KV blocks, sampling honours its parameters."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from conftest import diffusion_llm
+
+from vllm import SamplingParams
+from vllm.exceptions import VLLMValidationError
+from vllm.inputs import TokensPrompt
+from vllm.sampling_params import StructuredOutputsParams
+
+REJECTED = (ValueError, VLLMValidationError)
+
+
+@pytest.fixture(scope="module")
+def llm(dense_checkpoint):
+    with diffusion_llm(dense_checkpoint, diffusion_block_size=4, max_model_len=64) as engine:
+        yield engine
+
+
+def mask_id(checkpoint) -> int:
+    return json.loads((checkpoint / "config.json").read_text())["mask_token_id"]
+
+
+def generate(llm, prompt_ids, **params):
+    return llm.generate(TokensPrompt(prompt_token_ids=prompt_ids),
+                        SamplingParams(**params), use_tqdm=False)
+
+
+def test_prompt_with_mask_token_is_rejected(llm, dense_checkpoint):
+    with pytest.raises(REJECTED, match=r"mask token \(id \d+\) at position 2"):
+        generate(llm, [5, 6, mask_id(dense_checkpoint), 7], temperature=0, max_tokens=4)
+
+
+def test_empty_and_too_long_prompts_are_rejected(llm):
+    with pytest.raises(REJECTED, match="cannot be empty"):
+        generate(llm, [], temperature=0, max_tokens=4)
+    with pytest.raises(REJECTED, match="maximum context length is 64"):
+        generate(llm, [5] * 65, temperature=0, max_tokens=4)
+
+
+@pytest.mark.parametrize("params, name", [
+    ({"presence_penalty": 0.5}, "presence_penalty"),
+    ({"repetition_penalty": 1.2}, "repetition_penalty"),
+    ({"logprobs": 2}, "logprobs"),
+    ({"min_p": 0.1}, "min_p"),
+    ({"logit_bias": {5: 1.0}}, "logit_bias"),
+    ({"structured_outputs": StructuredOutputsParams(regex="a+")}, "structured_outputs"),
+])
+def test_unsupported_sampling_parameters_are_rejected(llm, params, name):
+    with pytest.raises(REJECTED, match=f"{name}=.* is not supported by block-diffusion"):
+        generate(llm, [5, 6, 7], max_tokens=4, **params)
+
+
+@pytest.mark.parametrize("extra_args, message", [
+    ({"threshold": 1.5}, r"option 'threshold' must be float in \[0.0, 1.0\], got 1.5"),
+    ({"strategy": "fastest"}, r"option 'strategy' must be one of 'low_confidence_dynamic'"),
+    ({"denoising_steps": 9}, r"'denoising_steps' must be at most the block size \(4\)"),
+    ({"thresold": 0.5}, r"unknown option\(s\) 'thresold'; valid options"),
+    ({"diffusion_policy": "focus"}, r"per-request policy switching is not supported"),
+])
+def test_invalid_request_options_name_the_option(llm, extra_args, message):
+    with pytest.raises(REJECTED, match=message):
+        generate(llm, [5, 6, 7], temperature=0, max_tokens=4, extra_args=extra_args)
+    # The engine keeps serving after a rejected request.
+    assert len(generate(llm, [5, 6, 7], temperature=0, max_tokens=4)[0].outputs[0].token_ids) == 4
+
+
+def test_abort_mid_block_frees_kv_blocks(llm):
+    engine = llm.llm_engine
+    block_pool = engine.engine_core.engine_core.scheduler.kv_cache_manager.block_pool
+    free_before = block_pool.get_num_free_blocks()
+    params = SamplingParams(temperature=0, max_tokens=40, extra_args={"strategy": "sequential"})
+    engine.add_request("aborted", TokensPrompt(prompt_token_ids=list(range(5, 14))), params)
+    engine.step()
+    engine.step()  # sequential: one position per step, so the block is half decoded
+    assert block_pool.get_num_free_blocks() < free_before
+    engine.abort_request(["aborted"])
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert block_pool.get_num_free_blocks() == free_before
+
+
+def test_seeded_sampling_is_reproducible_and_never_emits_the_mask(llm, dense_checkpoint):
+    prompt = list(range(5, 15))
+    runs = [generate(llm, prompt, temperature=1.5, top_k=50, top_p=0.9, seed=seed,
+                     max_tokens=24)[0].outputs[0].token_ids for seed in (1, 1, 2)]
+    assert runs[0] == runs[1]
+    assert runs[0] != runs[2]
+    for run in runs:
+        assert mask_id(dense_checkpoint) not in run
+
+
+def test_engine_options_are_validated_at_start_up(dense_checkpoint):
+    with pytest.raises(REJECTED, match="unknown diffusion policy 'fastest'; valid policies"):
+        with diffusion_llm(dense_checkpoint, additional_config={"diffusion_policy": "fastest"}):
+            pass
+    with pytest.raises(REJECTED, match="unknown option.*'treshold'"):
+        with diffusion_llm(dense_checkpoint, additional_config={"treshold": 0.5}):
+            pass
+    with pytest.raises(REJECTED, match="must be a multiple of the diffusion block size"):
+        with diffusion_llm(dense_checkpoint, diffusion_block_size=8, max_model_len=100):
+            pass
+
+
+def test_kv_page_size_must_hold_whole_diffusion_blocks(dense_checkpoint):
+    with pytest.raises(Exception, match=r"KV page size .* must be a multiple of the diffusion"):
+        with diffusion_llm(dense_checkpoint, diffusion_block_size=32, block_size=16):
+            pass

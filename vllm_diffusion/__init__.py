@@ -1,0 +1,36 @@
+"""vllm-diffusion: serve block-diffusion language models with vLLM.
+
+``register()`` is vLLM's general-plugin entry point. vLLM calls it in every process (API
+server, engine core, workers), so it is idempotent and cheap: models are registered by
+import path and only imported where a model is built.
+"""
+
+__version__ = "0.1.0"
+
+ARCHITECTURES = {
+    "SDARForCausalLM": "vllm_diffusion.models.sdar:SDARForCausalLM",
+    "SDARMoeForCausalLM": "vllm_diffusion.models.sdar:SDARMoeForCausalLM",
+}
+
+_registered = False
+
+
+def register() -> None:
+    global _registered
+    if _registered:
+        return
+    _registered = True
+
+    from vllm import ModelRegistry
+    from vllm.model_executor.models.config import MODELS_CONFIG_MAP
+
+    from vllm_diffusion import frontend
+    from vllm_diffusion.engine_setup import DiffusionModelConfigHook
+    from vllm_diffusion.models.configs import register_hf_configs
+
+    register_hf_configs()
+    for arch, path in ARCHITECTURES.items():
+        if arch not in ModelRegistry.get_supported_archs():
+            ModelRegistry.register_model(arch, path)
+        MODELS_CONFIG_MAP[arch] = DiffusionModelConfigHook
+    frontend.install()

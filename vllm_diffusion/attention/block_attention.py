@@ -1,0 +1,78 @@
+"""Block-causal attention over a paged KV cache: plain PyTorch reference implementation.
+
+Layout of one layer's cache (vLLM's logical per-layer view):
+    kv_cache: [num_pages, num_kv_heads, page_size, 2 * head_size]   keys in [..., :D], values in [..., D:]
+
+Rule (SDAR, aligned to absolute position 0): a query at position q attends to the key at
+position k iff ``k < kv_len`` of its request and ``k // B <= q // B`` (bidirectional inside
+a diffusion block of size B, causal across blocks). Requests are ragged: each brings its
+own number of query positions, at arbitrary positions.
+
+A Triton kernel for CUDA must keep these signatures; tests compare it with these functions.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def write_kv(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """Store key/value rows at their slots (``slot = page * page_size + offset``).
+
+    key, value:   [T, num_kv_heads, head_size]
+    slot_mapping: [T] int64; a negative slot means "do not store this row".
+    """
+    head_size = key.shape[-1]
+    page_size = kv_cache.shape[2]
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep]
+    pages, offsets = slots // page_size, slots % page_size
+    # Advanced indices around a slice put the indexed dim first: [n, num_kv_heads, C].
+    kv_cache[pages, :, offsets, :head_size] = key[keep].to(kv_cache.dtype)
+    kv_cache[pages, :, offsets, head_size:] = value[keep].to(kv_cache.dtype)
+
+
+def gather_kv(kv_cache: torch.Tensor, page_ids: torch.Tensor,
+              length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values of positions [0, length) of one request: two [length, H_kv, D]."""
+    page_size = kv_cache.shape[2]
+    head_size = kv_cache.shape[3] // 2
+    num_pages = -(-length // page_size)
+    pages = kv_cache[page_ids[:num_pages]]  # [n_pages, H_kv, page, 2D]
+    flat = pages.permute(0, 2, 1, 3).reshape(num_pages * page_size, pages.shape[1], -1)
+    flat = flat[:length]
+    return flat[..., :head_size], flat[..., head_size:]
+
+
+def block_causal_attention(query: torch.Tensor, kv_cache: torch.Tensor,
+                           query_positions: torch.Tensor, query_start_loc: list[int],
+                           kv_lens: list[int], block_table: torch.Tensor,
+                           diffusion_block_size: int, scale: float) -> torch.Tensor:
+    """Attention of ragged query rows over each request's paged keys/values.
+
+    query:           [T, num_heads, head_size]
+    query_positions: [T] absolute position of each query row
+    query_start_loc: R + 1 offsets of each request's rows in ``query``
+    kv_lens:         R key counts: request r attends to key positions [0, kv_lens[r])
+    block_table:     [R, max_pages] page ids of each request
+    Returns [T, num_heads, head_size].
+    """
+    num_heads = query.shape[1]
+    output = torch.empty_like(query)
+    for r in range(len(kv_lens)):
+        start, end = query_start_loc[r], query_start_loc[r + 1]
+        if start == end:
+            continue
+        keys, values = gather_kv(kv_cache, block_table[r], kv_lens[r])
+        group = num_heads // keys.shape[1]
+        keys = keys.to(query.dtype).repeat_interleave(group, dim=1)  # [L, H, D]
+        values = values.to(query.dtype).repeat_interleave(group, dim=1)
+        q_block = query_positions[start:end, None] // diffusion_block_size
+        k_block = torch.arange(kv_lens[r], device=query.device) // diffusion_block_size
+        visible = k_block[None, :] <= q_block  # [n, L]
+        out = torch.nn.functional.scaled_dot_product_attention(
+            query[start:end].transpose(0, 1), keys.transpose(0, 1),
+            values.transpose(0, 1), attn_mask=visible, scale=scale)
+        output[start:end] = out.transpose(0, 1)
+    return output

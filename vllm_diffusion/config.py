@@ -1,0 +1,124 @@
+"""Engine-wide diffusion configuration, resolved once at start-up, and per-request options.
+
+Engine-wide options come from ``--additional-config`` (``LLM(additional_config=...)``) or
+``--diffusion-policy``; keys are ``diffusion_policy``, ``diffusion_block_size``,
+``mask_token_id`` and the chosen policy's options (``threshold``, ``strategy``, ...).
+Per-request overrides of the policy's options come from ``SamplingParams.extra_args``
+(OpenAI ``vllm_xargs``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+from vllm_diffusion.options import OptionError, Rule, option_names, parse_options
+from vllm_diffusion.policies import POLICIES
+
+DEFAULT_BLOCK_SIZE = 4  # SDAR's default
+ENGINE_KEYS = ("diffusion_policy", "diffusion_block_size", "mask_token_id")
+# Per-request keys that are not policy options.
+REQUEST_KEYS = ("diffusion_policy",)
+_RESOLVED_KEY = "_vllm_diffusion_resolved"
+
+
+@dataclasses.dataclass(frozen=True)
+class DiffusionEngineConfig:
+    policy_name: str
+    block_size: int
+    mask_token_id: int
+    policy_config: Any  # the policy's config dataclass, engine defaults
+
+    @property
+    def policy(self) -> type:
+        return POLICIES[self.policy_name]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "diffusion_policy": self.policy_name,
+            "diffusion_block_size": self.block_size,
+            "mask_token_id": self.mask_token_id,
+            **dataclasses.asdict(self.policy_config),
+        }
+
+    def request_policy_config(self, extra_args: Mapping[str, Any] | None) -> Any:
+        """The policy options for one request: engine defaults overridden by extra_args."""
+        if not extra_args:
+            return self.policy_config
+        source = "request extra_args (vllm_xargs)"
+        overrides = dict(extra_args)
+        requested = overrides.pop("diffusion_policy", self.policy_name)
+        if requested != self.policy_name:
+            raise OptionError(
+                f"{source}: option 'diffusion_policy' must be the server's policy "
+                f"{self.policy_name!r} (per-request policy switching is not supported), "
+                f"got {requested!r}"
+            )
+        valid = set(option_names(self.policy.config_cls)) | set(REQUEST_KEYS)
+        unknown = sorted(set(overrides) - valid)
+        if unknown:
+            raise OptionError(
+                f"{source}: unknown option(s) {', '.join(map(repr, unknown))}; valid "
+                f"options for policy {self.policy_name!r} are {', '.join(sorted(valid))}"
+            )
+        config = parse_options(self.policy.config_cls, overrides, source=source,
+                               base=self.policy_config)
+        config.validate_for_block(self.block_size, source)
+        return config
+
+
+def parse_engine_options(values: Mapping[str, Any], *, config_block_size: int | None,
+                         config_mask_token_id: int | None,
+                         vocab_size: int) -> DiffusionEngineConfig:
+    """Validate ``additional_config`` and resolve block size and mask token."""
+    source = "additional_config"
+    values = dict(values)
+    values.pop(_RESOLVED_KEY, None)
+    policy_name = values.pop("diffusion_policy", "standard")
+    if policy_name not in POLICIES:
+        raise OptionError(
+            f"{source}: unknown diffusion policy {policy_name!r}; "
+            f"valid policies are {', '.join(sorted(POLICIES))}"
+        )
+    policy = POLICIES[policy_name]
+    block_size = values.pop("diffusion_block_size", None)
+    if block_size is None:
+        block_size = config_block_size or DEFAULT_BLOCK_SIZE
+    block_size = Rule(int, low=1, high=1024).check("diffusion_block_size", block_size, source)
+    mask_token_id = values.pop("mask_token_id", None)
+    if mask_token_id is None:
+        mask_token_id = config_mask_token_id
+    if mask_token_id is None:
+        raise OptionError(
+            "the model has no mask token: its config.json has no 'mask_token_id' and its "
+            "tokenizer no mask_token; set additional_config 'mask_token_id'"
+        )
+    mask_token_id = Rule(int, low=0, high=vocab_size - 1).check(
+        "mask_token_id", mask_token_id, source)
+    valid = set(ENGINE_KEYS) | set(option_names(policy.config_cls))
+    unknown = sorted(set(values) - valid)
+    if unknown:
+        raise OptionError(
+            f"{source}: unknown option(s) {', '.join(map(repr, unknown))}; valid options "
+            f"for policy {policy_name!r} are {', '.join(sorted(valid))}"
+        )
+    policy_config = parse_options(policy.config_cls, values, source=source)
+    policy_config.validate_for_block(block_size, source)
+    return DiffusionEngineConfig(policy_name, block_size, mask_token_id, policy_config)
+
+
+def engine_config_from_vllm(vllm_config: Any) -> DiffusionEngineConfig:
+    """The resolved configuration stored in ``vllm_config.additional_config`` at start-up."""
+    extra = vllm_config.additional_config
+    if not isinstance(extra, Mapping) or not extra.get(_RESOLVED_KEY):
+        raise RuntimeError(
+            "vllm-diffusion configuration was not resolved at start-up; is the model an "
+            "SDAR checkpoint and the vllm_diffusion plugin loaded?"
+        )
+    return parse_engine_options(extra, config_block_size=None, config_mask_token_id=None,
+                                vocab_size=vllm_config.model_config.get_vocab_size())
+
+
+def store_resolved(vllm_config: Any, config: DiffusionEngineConfig) -> None:
+    vllm_config.additional_config = {**config.to_dict(), _RESOLVED_KEY: True}

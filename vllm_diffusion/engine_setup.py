@@ -1,0 +1,98 @@
+"""Start-up configuration of vLLM for a block-diffusion checkpoint.
+
+``DiffusionModelConfigHook`` is installed in vLLM's per-architecture config hooks
+(``MODELS_CONFIG_MAP``) for the SDAR architectures. When vLLM builds its configuration it
+resolves and validates the diffusion options, stores them in ``additional_config`` (which
+every process receives), and selects the diffusion scheduler and worker.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from vllm.logger import init_logger
+from vllm.model_executor.models.config import VerifyAndUpdateConfig
+
+from vllm_diffusion.config import parse_engine_options, store_resolved
+
+logger = init_logger(__name__)
+
+SCHEDULER_CLS = "vllm_diffusion.worker.scheduler.BlockDiffusionScheduler"
+CPU_WORKER_CLS = "vllm_diffusion.worker.cpu_worker.DiffusionCPUWorker"
+GPU_WORKER_CLS = "vllm_diffusion.worker.gpu_worker.DiffusionGPUWorker"
+
+
+def _tokenizer_mask_token_id(model_config: Any) -> int | None:
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(
+            model_config.tokenizer, revision=model_config.tokenizer_revision,
+            trust_remote_code=model_config.trust_remote_code)
+    except Exception:  # noqa: BLE001 - a missing tokenizer is reported as "no mask token"
+        return None
+    return getattr(tokenizer, "mask_token_id", None)
+
+
+class DiffusionModelConfigHook(VerifyAndUpdateConfig):
+    @staticmethod
+    def verify_and_update_config(vllm_config: Any) -> None:
+        from vllm.platforms import current_platform
+
+        model_config = vllm_config.model_config
+        hf_config = model_config.hf_config
+        mask_token_id = getattr(hf_config, "mask_token_id", None)
+        if mask_token_id is None:
+            mask_token_id = _tokenizer_mask_token_id(model_config)
+        config = parse_engine_options(
+            vllm_config.additional_config or {},
+            config_block_size=getattr(hf_config, "block_size", None),
+            config_mask_token_id=mask_token_id,
+            vocab_size=model_config.get_vocab_size(),
+        )
+        store_resolved(vllm_config, config)
+
+        block = config.block_size
+        if model_config.max_model_len % block:
+            raise ValueError(
+                f"max_model_len ({model_config.max_model_len}) must be a multiple of the "
+                f"diffusion block size ({block}); use --max-model-len "
+                f"{model_config.max_model_len // block * block}"
+            )
+        if vllm_config.speculative_config is not None:
+            raise ValueError("speculative decoding cannot be combined with block diffusion")
+
+        if os.environ.get("VLLM_USE_V2_MODEL_RUNNER", "0") not in ("0", "false", "False"):
+            raise ValueError(
+                "vllm-diffusion runs on the V1 model runner; unset VLLM_USE_V2_MODEL_RUNNER")
+        os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
+
+        if (current_platform.is_cpu() and "VLLM_CPU_KVCACHE_SPACE" not in os.environ
+                and vllm_config.cache_config.kv_cache_memory_bytes is None):
+            logger.info("vllm-diffusion: VLLM_CPU_KVCACHE_SPACE not set; using 1 GiB of KV cache")
+            os.environ["VLLM_CPU_KVCACHE_SPACE"] = "1"
+
+        parallel_config = vllm_config.parallel_config
+        worker_cls = CPU_WORKER_CLS if current_platform.is_cpu() else GPU_WORKER_CLS
+        if parallel_config.worker_cls == "auto":
+            parallel_config.worker_cls = worker_cls
+        elif parallel_config.worker_cls != worker_cls:
+            raise ValueError(
+                f"--worker-cls {parallel_config.worker_cls} cannot serve a block-diffusion "
+                f"model; leave it unset (vllm-diffusion selects {worker_cls})")
+
+        scheduler_config = vllm_config.scheduler_config
+        if scheduler_config.scheduler_cls not in (None, SCHEDULER_CLS):
+            raise ValueError(
+                f"--scheduler-cls {scheduler_config.scheduler_cls} cannot serve a "
+                f"block-diffusion model; leave it unset")
+        scheduler_config.scheduler_cls = SCHEDULER_CLS
+        scheduler_config.async_scheduling = False
+
+        if not model_config.enforce_eager:
+            logger.info("vllm-diffusion: running eagerly (graph capture of denoising "
+                        "steps is not supported yet)")
+            model_config.enforce_eager = True
+        logger.info("vllm-diffusion: policy %s, diffusion block size %d, mask token %d",
+                    config.policy_name, block, config.mask_token_id)

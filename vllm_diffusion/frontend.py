@@ -1,0 +1,97 @@
+"""The two places where vllm-diffusion wraps vLLM's front end (listed in patches/README.md).
+
+1. ``--diffusion-policy NAME`` on the ``vllm`` command line, stored into
+   ``additional_config["diffusion_policy"]``.
+2. Request admission for block-diffusion models: unsupported sampling parameters, invalid
+   per-request policy options and prompts containing the mask token are rejected with a
+   ``VLLMValidationError`` (HTTP 400), before the request reaches the engine.
+Both wrappers leave every other model untouched.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+_INSTALLED_FLAG = "_vllm_diffusion_wrapped"
+
+
+def install() -> None:
+    _install_cli_flag()
+    _install_request_validation()
+
+
+def _install_cli_flag() -> None:
+    from vllm.engine.arg_utils import EngineArgs
+
+    if getattr(EngineArgs, _INSTALLED_FLAG, False):
+        return
+    setattr(EngineArgs, _INSTALLED_FLAG, True)
+    original_add_cli_args = EngineArgs.add_cli_args
+    original_from_cli_args = EngineArgs.from_cli_args.__func__
+
+    def add_cli_args(parser):
+        from vllm_diffusion.policies import POLICIES
+
+        parser = original_add_cli_args(parser)
+        group = parser.add_argument_group(
+            title="vllm-diffusion", description="Block-diffusion decoding (SDAR, LLaDA2).")
+        group.add_argument(
+            "--diffusion-policy", default=None, choices=sorted(POLICIES),
+            help="Decoding policy for block-diffusion models; its options go in "
+                 "--additional-config (e.g. --additional-config.threshold 0.8).")
+        return parser
+
+    def from_cli_args(cls, args):
+        engine_args = original_from_cli_args(cls, args)
+        policy = getattr(args, "diffusion_policy", None)
+        if policy is not None:
+            engine_args.additional_config = {
+                **(engine_args.additional_config or {}), "diffusion_policy": policy}
+        return engine_args
+
+    EngineArgs.add_cli_args = staticmethod(add_cli_args)
+    EngineArgs.from_cli_args = classmethod(from_cli_args)
+
+
+def _diffusion_config(processor: Any):
+    """The processor's resolved diffusion configuration, or None for other models."""
+    cached = getattr(processor, "_vllm_diffusion_config", _INSTALLED_FLAG)
+    if cached is not _INSTALLED_FLAG:
+        return cached
+    from vllm_diffusion import ARCHITECTURES
+    from vllm_diffusion.config import engine_config_from_vllm
+
+    config = None
+    if processor.model_config.architecture in ARCHITECTURES:
+        config = engine_config_from_vllm(processor.vllm_config)
+    processor._vllm_diffusion_config = config
+    return config
+
+
+def _install_request_validation() -> None:
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.engine.input_processor import InputProcessor
+
+    from vllm_diffusion.requests import validate_prompt_ids, validate_sampling_params
+
+    if getattr(InputProcessor, _INSTALLED_FLAG, False):
+        return
+    setattr(InputProcessor, _INSTALLED_FLAG, True)
+    original_validate_params = InputProcessor._validate_params
+    original_validate_model_input = InputProcessor._validate_model_input
+
+    def _validate_params(self, params, supported_tasks):
+        result = original_validate_params(self, params, supported_tasks)
+        config = _diffusion_config(self)
+        if config is not None and isinstance(params, SamplingParams):
+            validate_sampling_params(params, config)
+        return result
+
+    def _validate_model_input(self, prompt_input, prompt_type):
+        original_validate_model_input(self, prompt_input, prompt_type)
+        config = _diffusion_config(self)
+        if config is not None and prompt_input.get("type") != "embeds":
+            validate_prompt_ids(prompt_input.get("prompt_token_ids"), config)
+
+    InputProcessor._validate_params = _validate_params
+    InputProcessor._validate_model_input = _validate_model_input

@@ -1,0 +1,99 @@
+"""Typed option parsing shared by engine-wide and per-request configuration.
+
+Every option set is a frozen dataclass whose fields carry their validation rule in
+``metadata["rule"]``. Parsing rejects unknown keys, wrong types and out-of-range values
+with a message that names the option and what is valid.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+
+class OptionError(ValueError):
+    """An option is unknown, of the wrong type, or out of range."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Rule:
+    kind: type  # int, float, str or bool
+    low: float | None = None
+    high: float | None = None
+    low_inclusive: bool = True
+    choices: tuple[str, ...] | None = None
+    optional: bool = False  # None is allowed
+
+    def describe(self) -> str:
+        if self.choices:
+            return "one of " + ", ".join(repr(c) for c in self.choices)
+        parts = [self.kind.__name__]
+        if self.low is not None or self.high is not None:
+            lo = "-inf" if self.low is None else self.low
+            hi = "inf" if self.high is None else self.high
+            parts.append(f"in {'[' if self.low_inclusive else '('}{lo}, {hi}]")
+        if self.optional:
+            parts.append("or null")
+        return " ".join(parts)
+
+    def check(self, name: str, value: Any, source: str) -> Any:
+        if value is None:
+            if self.optional:
+                return None
+            raise OptionError(f"{source}: option '{name}' must be {self.describe()}, got null")
+        if self.kind is float and isinstance(value, int) and not isinstance(value, bool):
+            value = float(value)
+        if isinstance(value, str) and self.kind in (int, float):
+            try:
+                value = self.kind(value)
+            except ValueError:
+                pass
+        if not isinstance(value, self.kind) or (self.kind is int and isinstance(value, bool)):
+            raise OptionError(
+                f"{source}: option '{name}' must be {self.describe()}, got {value!r}"
+            )
+        if self.choices is not None and value not in self.choices:
+            raise OptionError(
+                f"{source}: option '{name}' must be {self.describe()}, got {value!r}"
+            )
+        too_low = self.low is not None and (
+            value < self.low if self.low_inclusive else value <= self.low
+        )
+        if too_low or (self.high is not None and value > self.high):
+            raise OptionError(
+                f"{source}: option '{name}' must be {self.describe()}, got {value!r}"
+            )
+        return value
+
+
+def option(default: Any, rule: Rule) -> Any:
+    return dataclasses.field(default=default, metadata={"rule": rule})
+
+
+def option_names(cls: type) -> tuple[str, ...]:
+    return tuple(f.name for f in dataclasses.fields(cls))
+
+
+def parse_options(cls: type[T], values: Mapping[str, Any], *, source: str,
+                  base: T | None = None) -> T:
+    """Build ``cls`` from ``values`` (all keys must be fields of ``cls``).
+
+    ``base`` supplies the values of fields that ``values`` does not mention.
+    """
+    known = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(values) - set(known))
+    if unknown:
+        raise OptionError(
+            f"{source}: unknown option(s) {', '.join(map(repr, unknown))}; "
+            f"valid options are {', '.join(sorted(known))}"
+        )
+    checked = {
+        name: known[name].metadata["rule"].check(name, value, source)
+        for name, value in values.items()
+    }
+    if base is not None:
+        return dataclasses.replace(base, **checked)
+    return cls(**checked)

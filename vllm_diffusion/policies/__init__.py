@@ -1,0 +1,7 @@
+"""Decoding policies, one small module each. ``POLICIES`` maps a policy name to its class."""
+
+from vllm_diffusion.policies.standard import StandardPolicy
+
+POLICIES = {cls.name: cls for cls in (StandardPolicy,)}
+
+__all__ = ["POLICIES", "StandardPolicy"]

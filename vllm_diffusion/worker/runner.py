@@ -1,0 +1,176 @@
+"""The diffusion model runner: one ``execute_model`` call is one denoising step.
+
+``DiffusionRunnerMixin`` overrides only ``execute_model`` of vLLM's V1 model runner. It
+keeps vLLM's request bookkeeping (``_update_states``: new, resumed and finished requests,
+KV block tables), its model, KV cache and forward context, and replaces the autoregressive
+input preparation and sampling with the block-diffusion step: build the rows of every
+request (``step_plan``), run the model once over all of them with block-causal attention,
+propose tokens for the block rows, let the policy choose which to commit, and return the
+newly final tokens as this step's output.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+
+from vllm.forward_context import set_forward_context
+from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
+
+from vllm_diffusion.attention.backend import BlockDiffusionMetadata
+from vllm_diffusion.config import engine_config_from_vllm
+from vllm_diffusion.worker.sampling import propose_tokens
+from vllm_diffusion.worker.step_plan import (
+    BlockCanvas,
+    RequestRows,
+    emit_final_tokens,
+    plan_request,
+)
+
+
+@dataclasses.dataclass
+class DiffusionStats:
+    """Counters since start-up (hardware-independent measures of the work done)."""
+
+    engine_steps: int = 0
+    denoising_steps: int = 0  # block-steps: one per request per step with a block
+    positions_computed: int = 0  # model rows, prefill and commit rows included
+    block_positions_computed: int = 0  # rows of the blocks being denoised
+    tokens_committed: int = 0  # final tokens emitted
+    blocks_completed: int = 0
+
+
+def truncate_at_stop(tokens: list[int], params: Any, num_output: int) -> list[int]:
+    """Cut newly final tokens after a stop token or at max_tokens (as vLLM's stop check)."""
+    stops = set(params.stop_token_ids or ())
+    if params.eos_token_id is not None:
+        stops.add(params.eos_token_id)
+    tokens = tokens[:max(params.max_tokens - num_output, 0)]
+    for i, token in enumerate(tokens):
+        if token in stops:
+            return tokens[:i + 1]
+    return tokens
+
+
+class DiffusionRunnerMixin:
+    """Mixed into vLLM's ``GPUModelRunner`` / ``CPUModelRunner``."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.diffusion = engine_config_from_vllm(self.vllm_config)
+        self.block_canvases: dict[str, BlockCanvas] = {}
+        self.diffusion_stats = DiffusionStats()
+
+    def execute_model(self, scheduler_output: Any, intermediate_tensors: Any = None):
+        self._update_states(scheduler_output)
+        for req_id in scheduler_output.finished_req_ids:
+            self.block_canvases.pop(req_id, None)
+        if not scheduler_output.total_num_scheduled_tokens:
+            return EMPTY_MODEL_RUNNER_OUTPUT
+
+        req_ids = [r for r in self.input_batch.req_ids if r is not None]
+        rows = [self._plan(req_id, scheduler_output) for req_id in req_ids]
+        hidden_states = self._forward(rows)
+        sampled = self._denoise(rows, hidden_states)
+        self.diffusion_stats.engine_steps += 1
+        return ModelRunnerOutput(
+            req_ids=req_ids,
+            req_id_to_index={r: i for i, r in enumerate(req_ids)},
+            sampled_token_ids=sampled,
+        )
+
+    def _plan(self, req_id: str, scheduler_output: Any) -> RequestRows:
+        state = self.requests[req_id]
+        canvas = self.block_canvases.get(req_id)
+        policy_config = (canvas.policy_config if canvas is not None else
+                         self.diffusion.request_policy_config(
+                             state.sampling_params.extra_args))
+        plan = plan_request(
+            req_id, list(state.prompt_token_ids) + state.output_token_ids,
+            state.num_computed_tokens, scheduler_output.num_scheduled_tokens[req_id],
+            self.diffusion.block_size, self.diffusion.mask_token_id, canvas, policy_config)
+        if plan.canvas is not None:
+            self.block_canvases[req_id] = plan.canvas
+        return plan
+
+    def _forward(self, rows: list[RequestRows]) -> torch.Tensor:
+        device = self.device
+        page_size = self.cache_config.block_size
+        positions = torch.tensor([p for r in rows for p in r.positions], dtype=torch.long)
+        token_ids = torch.tensor([t for r in rows for t in r.token_ids], dtype=torch.long)
+        page_tables = [torch.tensor(self.requests[r.req_id].block_ids[0], dtype=torch.long)
+                       for r in rows]
+        slots = torch.cat([
+            table[torch.tensor(r.positions, dtype=torch.long) // page_size] * page_size
+            + torch.tensor(r.positions, dtype=torch.long) % page_size
+            for r, table in zip(rows, page_tables)])
+        query_start_loc = [0]
+        for r in rows:
+            query_start_loc.append(query_start_loc[-1] + len(r.positions))
+        metadata = BlockDiffusionMetadata(
+            num_actual_tokens=len(positions),
+            query_positions=positions.to(device),
+            slot_mapping=slots.to(device),
+            block_table=torch.nn.utils.rnn.pad_sequence(page_tables, batch_first=True)
+            .to(device),
+            query_start_loc=query_start_loc,
+            kv_lens=[r.kv_len for r in rows],
+            diffusion_block_size=self.diffusion.block_size,
+        )
+        layer_names = [name for group in self.kv_cache_config.kv_cache_groups
+                       for name in group.layer_names]
+        with set_forward_context({name: metadata for name in layer_names},
+                                 self.vllm_config, num_tokens=len(positions),
+                                 slot_mapping={}):
+            hidden_states = self.model(input_ids=token_ids.to(device),
+                                       positions=positions.to(device))
+        stats = self.diffusion_stats
+        stats.positions_computed += len(positions)
+        return hidden_states
+
+    def _denoise(self, rows: list[RequestRows], hidden_states: torch.Tensor) -> list[list[int]]:
+        block = self.diffusion.block_size
+        mask_id = self.diffusion.mask_token_id
+        logit_rows, offset = [], 0
+        for r in rows:
+            offset += len(r.positions)
+            if r.canvas is not None:
+                logit_rows.append(torch.arange(offset - block, offset))
+        if not logit_rows:
+            return [[] for _ in rows]
+        logits = self.model.compute_logits(hidden_states[torch.cat(logit_rows).to(self.device)])
+        sampled: list[list[int]] = []
+        index = 0
+        for r in rows:
+            if r.canvas is None:
+                sampled.append([])
+                continue
+            state = self.requests[r.req_id]
+            params = state.sampling_params
+            tokens, confidence = propose_tokens(
+                logits[index * block:(index + 1) * block], mask_id, params.temperature,
+                params.top_k, params.top_p, state.generator)
+            index += 1
+            canvas = r.canvas
+            masked = canvas.tokens == mask_id
+            commit = self.diffusion.policy.choose_commits(
+                confidence.cpu(), masked, canvas.steps, block, canvas.policy_config)
+            canvas.tokens[commit] = tokens.cpu()[commit]
+            canvas.steps += 1
+            final = truncate_at_stop(
+                emit_final_tokens(canvas, len(state.prompt_token_ids)
+                                  + len(state.output_token_ids), mask_id),
+                params, len(state.output_token_ids))
+            state.output_token_ids.extend(final)
+            sampled.append(final)
+            stats = self.diffusion_stats
+            stats.denoising_steps += 1
+            stats.block_positions_computed += block
+            stats.tokens_committed += len(final)
+            stats.blocks_completed += int(not bool((canvas.tokens == mask_id).any()))
+        return sampled
+
+    def diffusion_stats_dict(self) -> dict[str, int]:
+        return dataclasses.asdict(self.diffusion_stats)

@@ -1,0 +1,42 @@
+"""Proposing a token and its confidence for every position of a block.
+
+Greedy (temperature 0): the arg-max token, confidence = its softmax probability.
+Sampled: temperature, then top-k, then top-p filtering; the token is drawn from the
+filtered distribution with the request's generator, confidence = its probability there
+(SDAR's ``generate.py``). The mask token is never proposed.
+"""
+
+from __future__ import annotations
+
+import torch
+
+_GREEDY_EPS = 1e-5  # vLLM treats temperatures below this as greedy
+
+
+def filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """logits: [n, V] float32; returns logits with filtered-out entries at -inf."""
+    if 0 < top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+        # Drop a token once the tokens ranked above it already reach top_p.
+        drop_sorted = (cumulative - sorted_logits.softmax(dim=-1)) >= top_p
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    return logits
+
+
+def propose_tokens(logits: torch.Tensor, mask_token_id: int, temperature: float,
+                   top_k: int, top_p: float,
+                   generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits: [n, V]. Returns proposed tokens [n] int64 and their confidences [n] float32."""
+    logits = logits.float()
+    logits[:, mask_token_id] = float("-inf")
+    if temperature < _GREEDY_EPS:
+        confidence, tokens = logits.softmax(dim=-1).max(dim=-1)
+        return tokens, confidence
+    probs = filter_top_k_top_p(logits / temperature, top_k, top_p).softmax(dim=-1)
+    tokens = torch.multinomial(probs, 1, generator=generator)  # [n, 1]
+    return tokens.squeeze(1), probs.gather(1, tokens).squeeze(1)

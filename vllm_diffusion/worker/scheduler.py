@@ -1,0 +1,94 @@
+"""Scheduler for block-diffusion requests: one engine step = one denoising step.
+
+State of a request, as the scheduler sees it (B = diffusion block size):
+
+- ``request.num_tokens`` (F): prompt plus the output tokens emitted so far. Emitted tokens
+  are final (a decoded token never changes), but the KV of the block holding them is not.
+- the current block is ``[F // B * B, F // B * B + B)``: the runner computes it each step.
+- ``num_computed_tokens`` (C): the committed prefix, whose KV is exact. It is always a
+  multiple of B and at most the current block's start; between steps it is rolled back
+  to the block start, so every step schedules ``[C, block end)``.
+
+Each step therefore schedules, per running request, the commit of any block that was
+completed at the previous step (the prefill of ``[C, block start)``) fused with one
+denoising step of the current block. To make vLLM's scheduler ask for exactly that, the
+block's undecided positions are presented as placeholder "spec" tokens (and dropped from
+the output before the runner sees them: there are no drafts to verify). A new request's
+first step is its prompt's full blocks fused with the first denoising step of the block
+holding the prompt tail; ``num_lookahead_tokens = B`` makes vLLM allocate KV pages for it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from vllm.v1.core.sched.output import SchedulerOutput
+from vllm.v1.core.sched.scheduler import Scheduler
+
+from vllm_diffusion.config import engine_config_from_vllm
+
+
+def committed_after_step(num_computed: int, num_scheduled: int, num_tokens: int,
+                         block_size: int) -> int:
+    """Committed prefix once a step scheduled ``[num_computed, num_computed + num_scheduled)``.
+
+    If the step reaches the request's known tokens, everything before the current block is
+    committed; a partial prefill chunk commits its whole blocks only.
+    """
+    end = num_computed + num_scheduled
+    if end >= num_tokens:
+        return num_tokens // block_size * block_size
+    return end // block_size * block_size
+
+
+class BlockDiffusionScheduler(Scheduler):
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        config = engine_config_from_vllm(self.vllm_config)
+        self.diffusion_block_size = block = config.block_size
+        self.mask_token_id = config.mask_token_id
+        if self.block_size % block:
+            raise ValueError(
+                f"the KV page size (--block-size {self.block_size}) must be a multiple of "
+                f"the diffusion block size ({block}): a page's KV is final only once its "
+                f"last diffusion block is committed")
+        needed = 2 * block * self.scheduler_config.max_num_seqs
+        if self.max_num_scheduled_tokens < needed:
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_scheduled_tokens}) must be at "
+                f"least 2 * diffusion block size * max_num_seqs = {needed}: a step can "
+                f"commit one block and denoise the next for every running request")
+        # No token is sampled "after" the scheduled ones, and the first block of a new
+        # request reaches up to B positions past its prompt.
+        self.num_sampled_tokens_per_step = 0
+        self.num_lookahead_tokens = block
+        self._committed: dict[str, int] = {}
+
+    def schedule(self, throttle_prefills: bool = False) -> SchedulerOutput:
+        block = self.diffusion_block_size
+        for request in self.running:
+            block_end = request.num_tokens // block * block + block
+            request.spec_token_ids = [self.mask_token_id] * (block_end - request.num_tokens)
+        output = super().schedule(throttle_prefills)
+        for req_id, num_scheduled in output.num_scheduled_tokens.items():
+            request = self.requests[req_id]
+            self._committed[req_id] = committed_after_step(
+                request.num_computed_tokens - num_scheduled, num_scheduled,
+                request.num_tokens, block)
+        # The placeholders only sized the step; the runner owns the block's contents.
+        output.scheduled_spec_decode_tokens.clear()
+        for request in self.running:
+            request.spec_token_ids = []
+        return output
+
+    def update_from_output(self, scheduler_output: SchedulerOutput,
+                           model_runner_output: Any):
+        outputs = super().update_from_output(scheduler_output, model_runner_output)
+        for req_id in scheduler_output.num_scheduled_tokens:
+            committed = self._committed.pop(req_id, None)
+            request = self.requests.get(req_id)
+            if committed is None or request is None or request.is_finished():
+                continue
+            if request.num_computed_tokens > 0:  # 0 after a preemption in this step
+                request.num_computed_tokens = committed
+        return outputs
