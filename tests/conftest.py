@@ -15,8 +15,6 @@ import pytest  # noqa: E402
 
 from vllm_diffusion.testing.tiny_sdar import build_tiny_sdar  # noqa: E402
 
-KV_CACHE_BYTES = 64 * 2**20
-
 
 @pytest.fixture(scope="session")
 def dense_checkpoint(tmp_path_factory) -> pathlib.Path:
@@ -40,8 +38,7 @@ def diffusion_llm(checkpoint: pathlib.Path, *, diffusion_block_size: int | None 
         additional_config["diffusion_block_size"] = diffusion_block_size
     llm = LLM(model=str(checkpoint), dtype="float32", enforce_eager=True, seed=0,
               max_model_len=max_model_len, max_num_seqs=max_num_seqs,
-              kv_cache_memory_bytes=KV_CACHE_BYTES, additional_config=additional_config,
-              **kwargs)
+              additional_config=additional_config, **kwargs)
     try:
         yield llm
     finally:

@@ -35,17 +35,14 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-second, first), dim=-1)
 
 
-def swiglu(x: torch.Tensor, gate_w: torch.Tensor, up_w: torch.Tensor, down_w: torch.Tensor) -> torch.Tensor:
-    return (F.silu(x @ gate_w.T) * (x @ up_w.T)) @ down_w.T
-
-
 class ReferenceSDAR:
     """SDAR / SDAR-MoE forward pass from a checkpoint directory (config.json + model.safetensors)."""
 
     def __init__(self, checkpoint_dir: str | pathlib.Path):
         checkpoint_dir = pathlib.Path(checkpoint_dir)
         self.config = json.loads((checkpoint_dir / "config.json").read_text())
-        self.weights = {k: v.float() for k, v in load_file(str(checkpoint_dir / "model.safetensors")).items()}
+        weights = load_file(str(checkpoint_dir / "model.safetensors"))
+        self.weights = {name: tensor.float() for name, tensor in weights.items()}
         cfg = self.config
         self.num_layers = cfg["num_hidden_layers"]
         self.num_heads = cfg["num_attention_heads"]
@@ -86,10 +83,17 @@ class ReferenceSDAR:
         out = out.transpose(0, 1).reshape(length, self.num_heads * self.head_dim)
         return out @ w[f"{prefix}.o_proj.weight"].T
 
+    def _swiglu(self, x: torch.Tensor, prefix: str) -> torch.Tensor:
+        w = self.weights
+        gate = x @ w[f"{prefix}.gate_proj.weight"].T
+        up = x @ w[f"{prefix}.up_proj.weight"].T
+        return (F.silu(gate) * up) @ w[f"{prefix}.down_proj.weight"].T
+
     def _mlp(self, x: torch.Tensor, prefix: str) -> torch.Tensor:
+        """Dense SwiGLU, or a Qwen3-MoE block when the layer has a router (`mlp.gate`)."""
         w = self.weights
         if f"{prefix}.gate.weight" not in w:
-            return swiglu(x, w[f"{prefix}.gate_proj.weight"], w[f"{prefix}.up_proj.weight"], w[f"{prefix}.down_proj.weight"])
+            return self._swiglu(x, prefix)
         router_probs = (x @ w[f"{prefix}.gate.weight"].T).float().softmax(dim=-1)  # [L, E]
         top_probs, top_experts = router_probs.topk(self.num_experts_per_tok, dim=-1)  # [L, k]
         if self.norm_topk_prob:
@@ -98,9 +102,7 @@ class ReferenceSDAR:
         routing = torch.zeros_like(router_probs).scatter(1, top_experts, top_probs)  # [L, E]
         out = torch.zeros_like(x)
         for e in range(router_probs.shape[1]):
-            expert = f"{prefix}.experts.{e}"
-            expert_out = swiglu(x, w[f"{expert}.gate_proj.weight"], w[f"{expert}.up_proj.weight"], w[f"{expert}.down_proj.weight"])
-            out = out + routing[:, e : e + 1] * expert_out
+            out = out + routing[:, e : e + 1] * self._swiglu(x, f"{prefix}.experts.{e}")  # [L, hidden]
         return out
 
     @torch.no_grad()
@@ -113,8 +115,10 @@ class ReferenceSDAR:
         h = w["model.embed_tokens.weight"][token_ids]  # [L, hidden]
         for i in range(self.num_layers):
             prefix = f"model.layers.{i}"
-            h = h + self._attention(rms_norm(h, w[f"{prefix}.input_layernorm.weight"], self.eps), mask, f"{prefix}.self_attn")
-            h = h + self._mlp(rms_norm(h, w[f"{prefix}.post_attention_layernorm.weight"], self.eps), f"{prefix}.mlp")
+            attn_in = rms_norm(h, w[f"{prefix}.input_layernorm.weight"], self.eps)
+            h = h + self._attention(attn_in, mask, f"{prefix}.self_attn")
+            mlp_in = rms_norm(h, w[f"{prefix}.post_attention_layernorm.weight"], self.eps)
+            h = h + self._mlp(mlp_in, f"{prefix}.mlp")
         return rms_norm(h, w["model.norm.weight"], self.eps) @ w["lm_head.weight"].T
 
     __call__ = forward
@@ -132,7 +136,12 @@ def transfer_quotas(block_size: int, steps: int) -> list[int]:
 
 
 def select_positions(
-    strategy: str, confidence: torch.Tensor, masked: torch.Tensor, quota: int, threshold: float, last_step: bool
+    strategy: str,
+    confidence: torch.Tensor,
+    masked: torch.Tensor,
+    quota: int,
+    threshold: float,
+    last_step: bool,
 ) -> torch.Tensor:
     """Which block positions to commit. confidence: [B] (-inf where not masked); masked: [B] bool.
 
@@ -200,7 +209,8 @@ def reference_generate_trace(
             x0 = probs.argmax(dim=-1)  # [B]
             confidence = probs.gather(1, x0[:, None]).squeeze(1)
             confidence = torch.where(masked, confidence, torch.full_like(confidence, float("-inf")))
-            chosen = select_positions(strategy, confidence, masked, quotas[s], threshold, last_step=s == steps - 1)
+            last_step = s == steps - 1
+            chosen = select_positions(strategy, confidence, masked, quotas[s], threshold, last_step)
             block = torch.where(chosen, x0, block)
             num_steps += 1
         if (block == mask_id).any():
