@@ -1,0 +1,99 @@
+"""Tests for the seeded task corpus and the chat tokenizer trained on it."""
+
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO_ROOT))
+sys.path.insert(0, str(REPO_ROOT / "tools"))
+
+from vllm_diffusion.quality import corpus  # noqa: E402
+
+
+def _perturb(family: str, answer: str) -> str:
+    if family in corpus.NUMERIC_FAMILIES:
+        number = corpus.final_number(answer)
+        return re.sub(r"The answer is -?\d+", f"The answer is {number + 1}", answer)
+    last = answer[-1]
+    return answer[:-1] + ("1" if last != "1" else "2")
+
+
+def test_generation_is_deterministic_per_seed():
+    first = corpus.generate_examples(300, seed=5)
+    assert first == corpus.generate_examples(300, seed=5)
+    assert first != corpus.generate_examples(300, seed=6)
+    assert {example.family for example in first} == set(corpus.TRAIN_FAMILIES)
+
+
+@pytest.mark.parametrize("family", corpus.CHECKED_FAMILIES)
+def test_answers_score_against_themselves_and_not_perturbations(family):
+    for example in corpus.generate_examples(40, seed=11, families=(family,)):
+        assert corpus.score(family, example.answer, example.answer)
+        assert corpus.score(family, example.answer, f"  {example.answer}\n")
+        assert not corpus.score(family, example.answer, _perturb(family, example.answer))
+        assert not corpus.score(family, example.answer, "")
+
+
+def test_numeric_families_compare_the_final_number():
+    expected = "3 + 4 = 7\nThe answer is 7."
+    assert corpus.score("arithmetic", expected, "3 + 4 = 8\nThe answer is 7.")
+    assert not corpus.score("arithmetic", expected, "The answer is 70.")
+    assert not corpus.score("count", expected, "7")
+
+
+def test_eval_prompts_never_appear_in_training():
+    train_prompts = {example.prompt for example in corpus.train_examples()}
+    held_out = corpus.eval_examples(50)
+    assert len(held_out) == 50 * len(corpus.CHECKED_FAMILIES)
+    assert len({example.prompt for example in held_out}) == len(held_out)
+    assert not train_prompts & {example.prompt for example in held_out}
+    assert all(corpus.is_eval_problem(example.family, example.answer) for example in held_out)
+
+
+def test_unknown_family_and_filler_eval_are_rejected():
+    with pytest.raises(ValueError):
+        corpus.generate_examples(1, seed=0, families=("poetry",))
+    with pytest.raises(ValueError):
+        corpus.generate_examples(1, seed=0, families=("filler",), split="eval")
+
+
+@pytest.fixture(scope="module")
+def small_tokenizer(tmp_path_factory):
+    from train_tokenizer import build_tokenizer
+    from transformers import AutoTokenizer
+
+    out = tmp_path_factory.mktemp("tokenizer")
+    build_tokenizer(corpus.generate_examples(2000, seed=1), vocab_size=600).save_pretrained(out)
+    return AutoTokenizer.from_pretrained(out)
+
+
+def test_tokenizer_special_tokens_and_chat_template(small_tokenizer):
+    tokenizer = small_tokenizer
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|MASK|>"]
+    assert tokenizer.convert_tokens_to_ids(specials) == [0, 1, 2, 3]
+    assert tokenizer.mask_token == "<|MASK|>" and tokenizer.eos_token == "<|im_end|>"
+    assert tokenizer.pad_token == "<|endoftext|>"
+    messages = [{"role": "user", "content": "Count from 3 to 5."}]
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    assert text == "<|im_start|>user\nCount from 3 to 5.<|im_end|>\n<|im_start|>assistant\n"
+    answered = messages + [{"role": "assistant", "content": "3, 4, 5"}]
+    full = tokenizer.apply_chat_template(answered, tokenize=False)
+    assert full == text + "3, 4, 5<|im_end|>\n"
+
+
+def test_tokenizer_round_trips_and_keeps_responses_short(small_tokenizer):
+    tokenizer = small_tokenizer
+    examples = corpus.generate_examples(300, seed=2)
+    for example in examples[:50]:
+        text = (f"<|im_start|>user\n{example.prompt}<|im_end|>\n"
+                f"<|im_start|>assistant\n{example.answer}<|im_end|>")
+        assert tokenizer.decode(tokenizer(text, add_special_tokens=False)["input_ids"]) == text
+    unseen = "Ünïcode ✓ 123"  # byte-level: any text encodes and decodes back
+    assert tokenizer.decode(tokenizer(unseen, add_special_tokens=False)["input_ids"]) == unseen
+    lengths = sorted(len(tokenizer(e.answer)["input_ids"]) for e in examples)
+    assert lengths[int(0.95 * len(lengths))] < 60

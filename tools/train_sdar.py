@@ -1,0 +1,326 @@
+"""Train a tiny SDAR (Qwen3-architecture) block-diffusion chat model on the project corpus.
+
+Usage (about an hour on one CPU core):
+    python tools/train_sdar.py --out vllm_diffusion/checkpoints/sdar-tiny-chat --minutes 55 --threads 1
+
+Training stops at the time budget. The cosine schedule length is estimated
+from the speed of the first steps and printed; pass it back as --max-steps
+for a bit-identical rerun. At the end the checkpoint is scored greedily on a
+few held-out prompts per family (see tools/sample_sdar.py).
+
+Objective (BD3-LM, vectorised): the model reads [noisy ; clean] with
+position ids 0..L-1 for both halves. Per block, a fraction t ~ U(eps, 1) of
+the response positions is replaced by the mask token (prompt tokens never
+are). Noisy block b attends to itself bidirectionally and to clean blocks
+< b; clean block b attends to clean blocks <= b. The loss is the plain mean
+cross-entropy over masked positions: the 1/t ELBO weight would multiply the
+gradient of nearly-clean blocks by up to 1/eps, which is too noisy for a few
+thousand small-batch steps, and greedy confidence decoding needs a good
+argmax, not a calibrated likelihood. The block size is drawn per batch from
+{4, 8, 16, 32, 64}, so one checkpoint serves all of them.
+
+Targets: response tokens, then ``<|im_end|>``, then ``<|endoftext|>`` up to the
+end of the block holding ``<|im_end|>`` (what the model writes there at
+inference); later all-padding blocks are never loss targets.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import random
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import save_file
+from transformers import PreTrainedTokenizerBase, Qwen3ForCausalLM
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from sample_sdar import block_causal_mask, evaluate, qwen3_config_from_sdar  # noqa: E402
+from train_tokenizer import ENDOFTEXT, IM_END, IM_START, MASK, build_tokenizer  # noqa: E402
+from vllm_diffusion.quality.corpus import eval_examples, train_examples  # noqa: E402
+
+DEFAULT_OUT = Path(__file__).resolve().parents[1] / "vllm_diffusion/checkpoints/sdar-tiny-chat"
+BLOCK_SIZES = (4, 8, 16, 32, 64)
+SERVING_BLOCK_SIZE = 4
+
+
+@dataclass(frozen=True)
+class ModelSize:
+    hidden_size: int = 256
+    num_hidden_layers: int = 4
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    head_dim: int = 64
+    intermediate_size: int = 768
+    max_position_embeddings: int = 1024
+    rope_theta: float = 10000.0
+    rms_norm_eps: float = 1e-6
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    out: Path
+    minutes: float
+    seed: int
+    threads: int
+    max_steps: int | None = None  # default: estimated from the time budget after `estimate_after` steps
+    batch_size: int = 32
+    lr: float = 2e-3
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 100
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0
+    mask_eps: float = 0.05
+    log_every: int = 25
+    estimate_after: int = 50
+    eval_per_family: int = 10
+    checkpoint_minutes: float = 10.0
+
+
+# ------------------------------------------------------------------- data
+def tokenize_corpus(tokenizer: PreTrainedTokenizerBase) -> list[tuple[list[int], list[int]]]:
+    """(prompt ids, response ids ending in <|im_end|>) for every training example."""
+    examples = train_examples()
+    # Rendering the Jinja template 60k times is slow; format directly and check one against it.
+    prompts = [f"{IM_START}user\n{e.prompt}{IM_END}\n{IM_START}assistant\n" for e in examples]
+    reference = tokenizer.apply_chat_template([{"role": "user", "content": examples[0].prompt}],
+                                              add_generation_prompt=True, tokenize=False)
+    if prompts[0] != reference:
+        raise ValueError(f"chat template changed: {reference!r} != {prompts[0]!r}")
+    prompt_ids = tokenizer(prompts, add_special_tokens=False)["input_ids"]
+    response_ids = tokenizer([e.answer + IM_END for e in examples], add_special_tokens=False)["input_ids"]
+    return list(zip(prompt_ids, response_ids))
+
+
+def batches(lengths: list[int], batch_size: int, rng: random.Random):
+    """Endless index batches of similar length (less padding), in shuffled order."""
+    while True:
+        order = list(range(len(lengths)))
+        rng.shuffle(order)
+        pool_size = batch_size * 64
+        for pool_start in range(0, len(order) - batch_size + 1, pool_size):
+            pool = sorted(order[pool_start:pool_start + pool_size], key=lengths.__getitem__)
+            chunks = [pool[i:i + batch_size] for i in range(0, len(pool) - batch_size + 1, batch_size)]
+            rng.shuffle(chunks)
+            yield from chunks
+
+
+def collate(items: list[tuple[list[int], list[int]]], block_size: int, pad_id: int):
+    """Returns clean ids [b, L] and loss-eligible positions [b, L], L a multiple of block_size."""
+    padded = [-(-(len(p) + len(r)) // block_size) * block_size for p, r in items]
+    length = max(padded)
+    clean = torch.full((len(items), length), pad_id, dtype=torch.long)
+    eligible = torch.zeros((len(items), length), dtype=torch.bool)
+    for row, ((prompt, response), end) in enumerate(zip(items, padded)):
+        clean[row, :len(prompt)] = torch.tensor(prompt)
+        clean[row, len(prompt):len(prompt) + len(response)] = torch.tensor(response)
+        eligible[row, len(prompt):end] = True
+    return clean, eligible
+
+
+def mask_blocks(clean: torch.Tensor, eligible: torch.Tensor, block_size: int, mask_id: int,
+                eps: float, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mask ceil(t * n) of the n eligible positions of every block, t ~ U(eps, 1) per block."""
+    batch, length = clean.shape
+    eligible_blocks = eligible.view(batch, length // block_size, block_size)  # [b, nb, BS]
+    t = eps + (1 - eps) * torch.rand(eligible_blocks.shape[:2], generator=generator)  # [b, nb]
+    count = (t * eligible_blocks.sum(-1)).ceil()  # [b, nb]
+    scores = torch.rand(eligible_blocks.shape, generator=generator).masked_fill(~eligible_blocks, 2.0)
+    ranks = scores.argsort(-1).argsort(-1)  # [b, nb, BS], eligible positions ranked first
+    masked = (eligible_blocks & (ranks < count[..., None])).view(batch, length)
+    return clean.masked_fill(masked, mask_id), masked
+
+
+def training_attention_mask(length: int, block_size: int) -> torch.Tensor:
+    """[2L - BS, 2L - BS] bool mask over [noisy (L) ; clean without its last block (L - BS)].
+
+    The last clean block is dropped: no noisy block may attend to it.
+    """
+    blocks = torch.arange(length) // block_size
+    clean_blocks = blocks[: length - block_size]
+    noisy_rows = torch.cat([blocks[:, None] == blocks[None, :],
+                            clean_blocks[None, :] < blocks[:, None]], dim=1)
+    clean_rows = torch.cat([torch.zeros(len(clean_blocks), length, dtype=torch.bool),
+                            clean_blocks[None, :] <= clean_blocks[:, None]], dim=1)
+    return torch.cat([noisy_rows, clean_rows], dim=0)
+
+
+def noisy_hidden_states(model: Qwen3ForCausalLM, noisy: torch.Tensor, clean: torch.Tensor,
+                        block_size: int) -> torch.Tensor:
+    """Final hidden states [b, L, hidden] of the noisy half under the block-diffusion mask."""
+    batch, length = noisy.shape
+    inputs = torch.cat([noisy, clean[:, : length - block_size]], dim=1)  # [b, 2L - BS]
+    positions = torch.cat([torch.arange(length), torch.arange(length - block_size)])
+    attention_mask = training_attention_mask(length, block_size)[None, None]
+    output = model.model(input_ids=inputs, attention_mask=attention_mask,
+                         position_ids=positions[None].expand(batch, -1))
+    return output.last_hidden_state[:, :length]
+
+
+def check_attention_mask(seed: int = 0) -> None:
+    """The joint [noisy ; clean] pass must equal separate block-causal passes per block.
+
+    Guards against a transformers version that ignores or rewrites a custom 4-D mask.
+    """
+    torch.manual_seed(seed)
+    sdar = dict(vocab_size=40, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                max_position_embeddings=64, rms_norm_eps=1e-6, rope_theta=10000.0)
+    model = Qwen3ForCausalLM(qwen3_config_from_sdar(sdar)).double().eval()
+    block_size, length = 4, 14
+    clean = torch.randint(0, 39, (1, length))
+    noisy = clean.masked_fill(torch.rand(1, length) < 0.5, 39)
+    padded = -(-length // block_size) * block_size
+    clean, noisy = F.pad(clean, (0, padded - length), value=0), F.pad(noisy, (0, padded - length), value=0)
+    with torch.no_grad():
+        joint = noisy_hidden_states(model, noisy, clean, block_size)[0]  # [L, hidden]
+        for start in range(0, padded, block_size):
+            sequence = torch.cat([clean[0, :start], noisy[0, start:start + block_size]])[None]
+            mask = block_causal_mask(sequence.shape[1], block_size)[None, None]
+            alone = model.model(input_ids=sequence, attention_mask=mask).last_hidden_state[0, -block_size:]
+            if not torch.allclose(joint[start:start + block_size], alone, atol=1e-9):
+                raise AssertionError(f"block-diffusion mask is not honoured (block at {start})")
+
+
+# --------------------------------------------------------------- training
+def learning_rate(step: int, total_steps: int, config: TrainConfig) -> float:
+    if step < config.warmup_steps:
+        return config.lr * (step + 1) / config.warmup_steps
+    progress = min(1.0, (step - config.warmup_steps) / max(1, total_steps - config.warmup_steps))
+    cosine = 0.5 * (1 + math.cos(math.pi * progress))
+    return config.lr * (config.min_lr_ratio + (1 - config.min_lr_ratio) * cosine)
+
+
+def sdar_config(size: ModelSize, tokenizer: PreTrainedTokenizerBase) -> dict:
+    endoftext, im_end = tokenizer.convert_tokens_to_ids([ENDOFTEXT, IM_END])
+    return {
+        "architectures": ["SDARForCausalLM"], "model_type": "sdar",
+        "vocab_size": len(tokenizer), **asdict(size),
+        "hidden_act": "silu", "attention_bias": False, "attention_dropout": 0.0,
+        "initializer_range": 0.02, "rope_scaling": None, "tie_word_embeddings": False,
+        "use_cache": True, "use_sliding_window": False, "sliding_window": None,
+        "max_window_layers": size.num_hidden_layers,
+        "bos_token_id": endoftext, "eos_token_id": im_end, "pad_token_id": endoftext,
+        "block_size": SERVING_BLOCK_SIZE, "mask_token_id": tokenizer.convert_tokens_to_ids(MASK),
+        "torch_dtype": "float32",
+    }
+
+
+def save_checkpoint(model: Qwen3ForCausalLM, tokenizer: PreTrainedTokenizerBase, sdar: dict,
+                    out: Path) -> None:
+    """Write config, tokenizer, then the weights (atomically, last: readers key on model.safetensors)."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(sdar, indent=2) + "\n")
+    generation = {"bos_token_id": sdar["bos_token_id"], "pad_token_id": sdar["pad_token_id"],
+                  "eos_token_id": [sdar["eos_token_id"], sdar["pad_token_id"]], "do_sample": False}
+    (out / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
+    tokenizer.save_pretrained(out)
+    state = {name: tensor.detach().contiguous() for name, tensor in model.state_dict().items()}
+    save_file(state, out / "model.safetensors.partial", metadata={"format": "pt"})
+    os.replace(out / "model.safetensors.partial", out / "model.safetensors")
+
+
+def block_diffusion_loss(model: Qwen3ForCausalLM, items: list[tuple[list[int], list[int]]], block_size: int,
+                         pad_id: int, mask_id: int, eps: float, generator: torch.Generator):
+    """Mean cross-entropy over masked positions, and the number of real (non-padding) tokens."""
+    clean, eligible = collate(items, block_size, pad_id)  # [b, L], [b, L]
+    noisy, masked = mask_blocks(clean, eligible, block_size, mask_id, eps, generator)
+    hidden = noisy_hidden_states(model, noisy, clean, block_size)  # [b, L, hidden]
+    loss = F.cross_entropy(model.lm_head(hidden[masked]), clean[masked])
+    return loss, sum(len(prompt) + len(response) for prompt, response in items)
+
+
+def make_optimizer(model: Qwen3ForCausalLM, config: TrainConfig) -> torch.optim.AdamW:
+    # No weight decay on norm gains.
+    decay = [p for p in model.parameters() if p.ndim >= 2]
+    no_decay = [p for p in model.parameters() if p.ndim < 2]
+    groups = [{"params": decay, "weight_decay": config.weight_decay},
+              {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=config.lr, betas=(0.9, 0.95))
+
+
+def train(config: TrainConfig, size: ModelSize) -> None:
+    torch.set_num_threads(config.threads)
+    torch.manual_seed(config.seed)
+    rng, generator = random.Random(config.seed), torch.Generator().manual_seed(config.seed)
+    check_attention_mask()
+    tokenizer = build_tokenizer(train_examples())
+    data = tokenize_corpus(tokenizer)
+    sdar = sdar_config(size, tokenizer)
+    pad_id, mask_id = sdar["pad_token_id"], sdar["mask_token_id"]
+    model = Qwen3ForCausalLM(qwen3_config_from_sdar(sdar)).train()
+    num_params = sum(p.numel() for p in model.parameters())
+    print(f"model: {num_params / 1e6:.2f}M parameters, {asdict(size)}; {len(data)} training examples")
+    optimizer = make_optimizer(model, config)
+    batch_iter = batches([len(p) + len(r) for p, r in data], config.batch_size, rng)
+    total_steps = config.max_steps or 10**9
+    budget_s, started = config.minutes * 60, time.perf_counter()
+    last_save, window_loss, window_tokens, window_start, step = started, 0.0, 0, started, 0
+    while step < total_steps and time.perf_counter() - started < budget_s:
+        block_size = rng.choice(BLOCK_SIZES)
+        items = [data[i] for i in next(batch_iter)]
+        loss, num_tokens = block_diffusion_loss(model, items, block_size, pad_id, mask_id,
+                                                config.mask_eps, generator)
+        for group in optimizer.param_groups:
+            group["lr"] = learning_rate(step, total_steps, config)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip)
+        optimizer.step()
+        step += 1
+        window_loss, window_tokens = window_loss + loss.item(), window_tokens + num_tokens
+        now = time.perf_counter()
+        if step == config.estimate_after and config.max_steps is None:
+            total_steps = int(step * budget_s / (now - started))
+            print(f"cosine schedule set to {total_steps} steps (pass --max-steps {total_steps} to reproduce)")
+        if step % config.log_every == 0:
+            print(f"step {step:6d}  loss {window_loss / config.log_every:.4f}  "
+                  f"lr {optimizer.param_groups[0]['lr']:.2e}  "
+                  f"tok/s {window_tokens / (now - window_start):6.0f}  "
+                  f"elapsed {now - started:6.0f}s", flush=True)
+            window_loss, window_tokens, window_start = 0.0, 0, now
+        if now - last_save > config.checkpoint_minutes * 60:
+            save_checkpoint(model, tokenizer, sdar, config.out)
+            last_save = now
+    print(f"trained {step} steps in {time.perf_counter() - started:.0f}s")
+    model.eval()
+    save_checkpoint(model, tokenizer, sdar, config.out)
+    print(f"saved checkpoint to {config.out}")
+    if config.eval_per_family:
+        accuracy = evaluate(model, tokenizer, eval_examples(config.eval_per_family), mask_id=mask_id,
+                            stop_ids=[sdar["eos_token_id"], pad_id], block_size=SERVING_BLOCK_SIZE, show=3)
+        print(f"held-out accuracy, greedy, block {SERVING_BLOCK_SIZE}: "
+              + ", ".join(f"{family} {value:.2f}" for family, value in accuracy.items()))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    parser.add_argument("--minutes", type=float, default=55.0)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--max-steps", type=int, default=None)
+    parser.add_argument("--batch-size", type=int, default=TrainConfig.batch_size)
+    parser.add_argument("--lr", type=float, default=TrainConfig.lr)
+    parser.add_argument("--eval-per-family", type=int, default=TrainConfig.eval_per_family)
+    for field, default in asdict(ModelSize()).items():
+        parser.add_argument(f"--{field.replace('_', '-')}", type=type(default), default=default)
+    args = parser.parse_args()
+    size = ModelSize(**{field: getattr(args, field) for field in asdict(ModelSize())})
+    config = TrainConfig(out=args.out, minutes=args.minutes, seed=args.seed, threads=args.threads,
+                         max_steps=args.max_steps, batch_size=args.batch_size, lr=args.lr,
+                         eval_per_family=args.eval_per_family)
+    train(config, size)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""Evaluation corpora and scoring for measuring decoding quality."""
