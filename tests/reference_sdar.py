@@ -53,6 +53,9 @@ class ReferenceSDAR:
         self.num_experts_per_tok = cfg.get("num_experts_per_tok")
         self.norm_topk_prob = cfg.get("norm_topk_prob", False)
 
+    # Set to [] to capture every layer's q and k of the next forward (tests of importance).
+    captured_qk: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+
     def _rope(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """NeoX (rotate-half) RoPE over the full head_dim. x: [heads, L, head_dim]."""
         exponents = torch.arange(0, self.head_dim, 2, dtype=torch.float32) / self.head_dim
@@ -73,6 +76,8 @@ class ReferenceSDAR:
         v = v.transpose(0, 1)  # [Hkv, L, D]
         q = self._rope(q, positions)
         k = self._rope(k, positions)
+        if self.captured_qk is not None:  # q, k after norm and RoPE, [L, heads, D]
+            self.captured_qk.append((q.transpose(0, 1).clone(), k.transpose(0, 1).clone()))
         # GQA: query head h reads kv head h // (H / Hkv).
         group = self.num_heads // self.num_kv_heads
         k = k.repeat_interleave(group, dim=0)  # [H, L, D]

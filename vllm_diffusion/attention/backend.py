@@ -22,6 +22,7 @@ from vllm.v1.attention.backend import (
 )
 
 from vllm_diffusion.attention.block_attention import block_causal_attention, write_kv
+from vllm_diffusion.attention.importance import ImportanceProbe
 
 
 @dataclass
@@ -33,6 +34,7 @@ class BlockDiffusionMetadata:
     query_start_loc: list[int]  # R + 1 row offsets per request (host)
     kv_lens: list[int]  # R: keys [0, kv_len) are visible to request r (host)
     diffusion_block_size: int
+    importance: ImportanceProbe | None = None  # set when candidates' importance is wanted
 
 
 class BlockDiffusionAttentionBackend(AttentionBackend):
@@ -104,6 +106,8 @@ class BlockDiffusionAttentionImpl(AttentionImpl[BlockDiffusionMetadata]):
         if attn_metadata is None:  # vLLM's profiling runs carry no metadata
             return output.zero_()
         n = attn_metadata.num_actual_tokens
+        if attn_metadata.importance is not None:
+            attn_metadata.importance.observe(layer.layer_name, query[:n], key[:n], self.scale)
         write_kv(kv_cache, key[:n], value[:n], attn_metadata.slot_mapping)
         output[:n] = block_causal_attention(
             query[:n], kv_cache, attn_metadata.query_positions,

@@ -6,17 +6,15 @@ from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 from vllm.v1.worker.cpu_worker import CPUWorker
 
 from vllm_diffusion.worker.runner import DiffusionRunnerMixin
+from vllm_diffusion.worker.worker_methods import DiffusionWorkerMethods
 
 
 class DiffusionCPUModelRunner(DiffusionRunnerMixin, CPUModelRunner):
     pass
 
 
-class DiffusionCPUWorker(CPUWorker):
+class DiffusionCPUWorker(DiffusionWorkerMethods, CPUWorker):
     def init_device(self) -> None:
         super().init_device()
         # CPUWorker builds its runner inline; replace it before the model is loaded.
         self.model_runner = DiffusionCPUModelRunner(self.vllm_config, torch.device("cpu"))
-
-    def diffusion_stats(self) -> dict[str, int]:
-        return self.model_runner.diffusion_stats_dict()

@@ -4,15 +4,13 @@ from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 from vllm.v1.worker.gpu_worker import Worker
 
 from vllm_diffusion.worker.runner import DiffusionRunnerMixin
+from vllm_diffusion.worker.worker_methods import DiffusionWorkerMethods
 
 
 class DiffusionGPUModelRunner(DiffusionRunnerMixin, GPUModelRunner):
     pass
 
 
-class DiffusionGPUWorker(Worker):
+class DiffusionGPUWorker(DiffusionWorkerMethods, Worker):
     def _make_model_runner(self) -> GPUModelRunner:
         return DiffusionGPUModelRunner(self.vllm_config, self.device)
-
-    def diffusion_stats(self) -> dict[str, int]:
-        return self.model_runner.diffusion_stats_dict()

@@ -20,6 +20,7 @@ from vllm.forward_context import set_forward_context
 from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
 
 from vllm_diffusion.attention.backend import BlockDiffusionMetadata
+from vllm_diffusion.attention.importance import ImportanceProbe
 from vllm_diffusion.config import engine_config_from_vllm
 from vllm_diffusion.worker.sampling import propose_tokens
 from vllm_diffusion.worker.step_plan import (
@@ -62,6 +63,9 @@ class DiffusionRunnerMixin:
         self.diffusion = engine_config_from_vllm(self.vllm_config)
         self.block_canvases: dict[str, BlockCanvas] = {}
         self.diffusion_stats = DiffusionStats()
+        # When a list: one entry per (request, step) with the importance delta, raw layer-1
+        # importance and decoded flag of every masked position (the decodability study).
+        self.importance_records: list[dict[str, list]] | None = None
 
     def execute_model(self, scheduler_output: Any, intermediate_tensors: Any = None):
         self._update_states(scheduler_output)
@@ -72,8 +76,9 @@ class DiffusionRunnerMixin:
 
         req_ids = [r for r in self.input_batch.req_ids if r is not None]
         rows = [self._plan(req_id, scheduler_output) for req_id in req_ids]
-        hidden_states = self._forward(rows)
-        sampled = self._denoise(rows, hidden_states)
+        probe = self._importance_probe(rows) if self.importance_records is not None else None
+        hidden_states = self._forward(rows, probe)
+        sampled = self._denoise(rows, hidden_states, probe)
         self.diffusion_stats.engine_steps += 1
         return ModelRunnerOutput(
             req_ids=req_ids,
@@ -95,7 +100,19 @@ class DiffusionRunnerMixin:
             self.block_canvases[req_id] = plan.canvas
         return plan
 
-    def _forward(self, rows: list[RequestRows]) -> torch.Tensor:
+    def _importance_probe(self, rows: list[RequestRows]) -> ImportanceProbe:
+        """Candidate rows (masked block positions) of every request with a block."""
+        mask_id, offset, candidates = self.diffusion.mask_token_id, 0, []
+        for r in rows:
+            offset += len(r.positions)
+            if r.canvas is None:
+                candidates.append(None)
+                continue
+            masked = torch.nonzero(r.canvas.tokens == mask_id).flatten()
+            candidates.append((offset - self.diffusion.block_size + masked).to(self.device))
+        return ImportanceProbe(candidates)
+
+    def _forward(self, rows: list[RequestRows], probe: ImportanceProbe | None) -> torch.Tensor:
         device = self.device
         page_size = self.cache_config.block_size
         positions = torch.tensor([p for r in rows for p in r.positions], dtype=torch.long)
@@ -118,6 +135,7 @@ class DiffusionRunnerMixin:
             query_start_loc=query_start_loc,
             kv_lens=[r.kv_len for r in rows],
             diffusion_block_size=self.diffusion.block_size,
+            importance=probe,
         )
         layer_names = [name for group in self.kv_cache_config.kv_cache_groups
                        for name in group.layer_names]
@@ -130,7 +148,8 @@ class DiffusionRunnerMixin:
         stats.positions_computed += len(positions)
         return hidden_states
 
-    def _denoise(self, rows: list[RequestRows], hidden_states: torch.Tensor) -> list[list[int]]:
+    def _denoise(self, rows: list[RequestRows], hidden_states: torch.Tensor,
+                 probe: ImportanceProbe | None) -> list[list[int]]:
         block = self.diffusion.block_size
         mask_id = self.diffusion.mask_token_id
         logit_rows, offset = [], 0
@@ -143,7 +162,7 @@ class DiffusionRunnerMixin:
         logits = self.model.compute_logits(hidden_states[torch.cat(logit_rows).to(self.device)])
         sampled: list[list[int]] = []
         index = 0
-        for r in rows:
+        for request_index, r in enumerate(rows):
             if r.canvas is None:
                 sampled.append([])
                 continue
@@ -157,6 +176,8 @@ class DiffusionRunnerMixin:
             masked = canvas.tokens == mask_id
             commit = self.diffusion.policy.choose_commits(
                 confidence.cpu(), masked, canvas.steps, block, canvas.policy_config)
+            if probe is not None:
+                self._record_importance(probe, request_index, masked, commit)
             canvas.tokens[commit] = tokens.cpu()[commit]
             canvas.steps += 1
             final = truncate_at_stop(
@@ -171,6 +192,16 @@ class DiffusionRunnerMixin:
             stats.tokens_committed += len(final)
             stats.blocks_completed += int(not bool((canvas.tokens == mask_id).any()))
         return sampled
+
+    def _record_importance(self, probe: ImportanceProbe, request_index: int,
+                           masked: torch.Tensor, commit: torch.Tensor) -> None:
+        scores = probe.delta(request_index)
+        if scores is None:
+            return
+        delta, layer1 = scores
+        self.importance_records.append({
+            "delta": delta.tolist(), "layer1": layer1.tolist(),
+            "decoded": commit[masked].tolist()})
 
     def diffusion_stats_dict(self) -> dict[str, int]:
         return dataclasses.asdict(self.diffusion_stats)

@@ -1,0 +1,136 @@
+"""Does the importance delta predict which masked tokens get decoded? (FOCUS Fig. 4 / 13)
+
+During standard decoding of the evaluation split, the engine records for every masked
+position at every step the importance delta (I(layer 1) - I(layer 0), FOCUS Eq. 2-3), the
+raw layer-1 importance, and whether the position was decoded that step. Each score is
+turned into a percentile rank among the candidates of its own step (the ranking FOCUS
+selects by); the report gives the decode rate and the share of decoded tokens per
+percentile bin, and the ROC AUC of each score as a predictor of decoding.
+
+    python benchmarks/decodability_study.py [--model DIR] [--block-size 32]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+
+import numpy as np
+
+BINS = (0, 20, 40, 60, 80, 100)
+
+
+def percentile_ranks(values: list[float]) -> np.ndarray:
+    """Rank of each value among its step's candidates, in [0, 100] (ties averaged)."""
+    array = np.asarray(values)
+    order = array.argsort(kind="stable")
+    ranks = np.empty(len(array))
+    ranks[order] = np.arange(len(array))
+    for value in np.unique(array):  # average ranks of ties
+        tied = array == value
+        ranks[tied] = ranks[tied].mean()
+    return 100.0 * ranks / (len(array) - 1)
+
+
+def roc_auc(scores: np.ndarray, labels: np.ndarray) -> float:
+    """Probability that a decoded position outranks a non-decoded one (Mann-Whitney U)."""
+    positives, negatives = scores[labels], scores[~labels]
+    if len(positives) == 0 or len(negatives) == 0:
+        return float("nan")
+    order = np.concatenate([positives, negatives]).argsort(kind="stable")
+    ranks = np.empty(len(order))
+    ranks[order] = np.arange(1, len(order) + 1)
+    combined = np.concatenate([positives, negatives])
+    for value in np.unique(combined):
+        tied = combined == value
+        ranks[tied] = ranks[tied].mean()
+    u = ranks[:len(positives)].sum() - len(positives) * (len(positives) + 1) / 2
+    return float(u / (len(positives) * len(negatives)))
+
+
+def analyse(records: list[dict[str, list]]) -> dict:
+    steps = [r for r in records if len(r["decoded"]) > 1]
+    decoded = np.concatenate([np.asarray(r["decoded"], dtype=bool) for r in steps])
+    report = {"steps": len(steps), "candidates": int(len(decoded)),
+              "decoded": int(decoded.sum()), "base_decode_rate": float(decoded.mean())}
+    for metric in ("delta", "layer1"):
+        ranks = np.concatenate([percentile_ranks(r[metric]) for r in steps])
+        raw = np.concatenate([np.asarray(r[metric]) for r in steps])
+        bins = []
+        for low, high in zip(BINS[:-1], BINS[1:]):
+            inside = (ranks >= low) & ((ranks < high) if high < 100 else (ranks <= high))
+            bins.append({"bin": f"[{low}, {high}{']' if high == 100 else ')'}",
+                         "candidates": int(inside.sum()),
+                         "decode_rate": float(decoded[inside].mean()) if inside.any() else None,
+                         "share_of_decoded": float(decoded[inside].sum() / max(decoded.sum(), 1))})
+        report[metric] = {"auc_within_step_rank": roc_auc(ranks, decoded),
+                          "auc_raw": roc_auc(raw, decoded), "bins": bins}
+    return report
+
+
+def plot(report: dict, path: pathlib.Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4), sharey=True)
+    for ax, metric, title in zip(axes, ("delta", "layer1"),
+                                 ("importance delta I1 - I0", "raw layer-1 importance")):
+        bins = report[metric]["bins"]
+        rates = [b["decode_rate"] or 0.0 for b in bins]
+        ax.bar([b["bin"] for b in bins], rates, color="tab:green")
+        ax.axhline(report["base_decode_rate"], color="grey", linestyle="--", label="all")
+        ax.set_title(f"{title}\nAUC {report[metric]['auc_within_step_rank']:.3f}")
+        ax.set_xlabel("percentile within step")
+    axes[0].set_ylabel("decoded this step")
+    axes[0].legend()
+    fig.suptitle(f"Decodability vs importance ({report['model_name']}, block {report['block_size']})")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=None)
+    parser.add_argument("--block-size", type=int, default=32)
+    parser.add_argument("--per-family", type=int, default=20)
+    parser.add_argument("--threshold", type=float, default=0.9)
+    parser.add_argument("--out", default="results/decodability.json")
+    parser.add_argument("--plot", default="results/decodability.png")
+    args = parser.parse_args()
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+
+    from vllm import LLM, SamplingParams
+
+    from vllm_diffusion.default_model import default_model_path
+    from vllm_diffusion.quality.corpus import eval_examples
+
+    model = args.model or str(default_model_path())
+    llm = LLM(model=model, dtype="float32", enforce_eager=True, seed=0, max_model_len=1024,
+              additional_config={"diffusion_block_size": args.block_size,
+                                 "threshold": args.threshold})
+    tokenizer = llm.get_tokenizer()
+    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": e.prompt}],
+                                             tokenize=False, add_generation_prompt=True)
+               for e in eval_examples(args.per_family)]
+    llm.collective_rpc("start_importance_recording")
+    llm.generate(prompts, SamplingParams(temperature=0, max_tokens=128), use_tqdm=False)
+    records = llm.collective_rpc("take_importance_records")[0]
+    report = {"model": model, "model_name": pathlib.Path(model).name,
+              "block_size": args.block_size, "threshold": args.threshold,
+              "prompts": len(prompts), **analyse(records)}
+    out = pathlib.Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2) + "\n")
+    plot(report, pathlib.Path(args.plot))
+    print(json.dumps({k: v for k, v in report.items() if k not in ("delta", "layer1")}, indent=2))
+    for metric in ("delta", "layer1"):
+        print(metric, "AUC", round(report[metric]["auc_within_step_rank"], 3),
+              [b["decode_rate"] and round(b["decode_rate"], 3) for b in report[metric]["bins"]])
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,73 @@
+"""Token importance inside a diffusion block (FOCUS, Eq. 2-3): plain PyTorch reference.
+
+For the candidate positions of one block (its masked positions, ordered by position),
+from q and k after q/k-norm and RoPE:
+
+    S[h, a, b]  = q_a . k_b * scale                     pre-softmax scores among candidates
+    S~[h, a, b] = max(S[h, a, b-1], S[h, a, b], S[h, a, b+1])   MaxPool1D over keys (kernel 3)
+    I[b]        = sum_h sum_a softmax_b(S~[h, a, :])[b]  total incoming attention
+
+and the importance delta is ``I(layer 1) - I(layer 0)``. Neighbours in the pooling are
+adjacent candidates (the compacted candidate list), as in the FOCUS implementation.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import torch
+import torch.nn.functional as F
+
+IMPORTANCE_LAYERS = (0, 1)
+
+
+def candidate_importance(query: torch.Tensor, key: torch.Tensor, scale: float,
+                         pool_kernel: int = 3) -> torch.Tensor:
+    """query: [n, H, D], key: [n, H_kv, D] of the candidates; returns I: [n] float32."""
+    num_heads, num_kv_heads = query.shape[1], key.shape[1]
+    key = key.repeat_interleave(num_heads // num_kv_heads, dim=1)  # GQA: head h uses h // group
+    scores = torch.einsum("ahd,bhd->hab", query.float(), key.float()) * scale  # [H, n, n]
+    if pool_kernel > 1:
+        heads, n, _ = scores.shape
+        scores = F.max_pool1d(scores.reshape(heads * n, 1, n), pool_kernel, stride=1,
+                              padding=pool_kernel // 2).reshape(heads, n, n)
+    return scores.softmax(dim=-1).sum(dim=(0, 1))
+
+
+_LAYER_INDEX = re.compile(r"layers\.(\d+)\.")
+
+
+def layer_index(layer_name: str) -> int:
+    match = _LAYER_INDEX.search(layer_name)
+    return int(match.group(1)) if match else -1
+
+
+@dataclasses.dataclass
+class ImportanceProbe:
+    """Asks the attention layers 0 and 1 for the importance of candidate rows.
+
+    rows[r]: indices (into this step's query rows) of request r's candidates, or None.
+    Filled by the attention backend: scores[layer][r] = I of request r's candidates.
+    """
+
+    rows: list[torch.Tensor | None]
+    pool_kernel: int = 3
+    scores: dict[int, list[torch.Tensor | None]] = dataclasses.field(default_factory=dict)
+
+    def observe(self, layer_name: str, query: torch.Tensor, key: torch.Tensor,
+                scale: float) -> None:
+        index = layer_index(layer_name)
+        if index not in IMPORTANCE_LAYERS:
+            return
+        self.scores[index] = [
+            None if rows is None or rows.numel() == 0 else
+            candidate_importance(query[rows], key[rows], scale, self.pool_kernel)
+            for rows in self.rows]
+
+    def delta(self, request: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(I(layer 1) - I(layer 0), I(layer 1)) of one request's candidates."""
+        first, second = (self.scores.get(i) for i in IMPORTANCE_LAYERS)
+        if first is None or second is None or second[request] is None:
+            return None
+        return second[request] - first[request], second[request]
