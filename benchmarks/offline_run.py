@@ -34,6 +34,7 @@ def main() -> None:
     from vllm import LLM, SamplingParams
 
     from vllm_diffusion.default_model import default_model_path
+    from vllm_diffusion.offline import stats_delta
 
     model = args.model or str(default_model_path())
     llm = LLM(model=model, dtype="float32", enforce_eager=True, seed=0, max_model_len=1024,
@@ -56,8 +57,7 @@ def main() -> None:
     start = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=False)
     wall = time.perf_counter() - start
-    after = llm.collective_rpc("diffusion_stats")[0]
-    stats = {k: after[k] - before[k] for k in after}
+    stats = stats_delta(before, llm.collective_rpc("diffusion_stats")[0])
 
     output_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
     report = {
@@ -70,11 +70,6 @@ def main() -> None:
         "prompt_tokens": sum(len(o.prompt_token_ids) for o in outputs),
         "output_tokens": output_tokens,
         **stats,
-        "denoising_steps_per_block": stats["denoising_steps"] / max(stats["blocks_completed"], 1),
-        "tokens_committed_per_denoising_step":
-            stats["tokens_committed"] / max(stats["denoising_steps"], 1),
-        "block_positions_per_committed_token":
-            stats["block_positions_computed"] / max(stats["tokens_committed"], 1),
         "wall_time_s": round(wall, 3),
         "output_tokens_per_s": round(output_tokens / wall, 1),
         "sample": {"prompt": prompts[0], "output": outputs[0].outputs[0].text},

@@ -1,0 +1,47 @@
+"""An in-process ``vllm.LLM`` for a block-diffusion checkpoint, torn down on exit.
+
+Used by the quality harness, the benchmarks and the tests; several can be opened one
+after the other in one process.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import os
+import pathlib
+from collections.abc import Iterator
+from typing import Any
+
+
+@contextlib.contextmanager
+def diffusion_llm(model: str | pathlib.Path, *, diffusion_block_size: int | None = None,
+                  max_model_len: int = 512, max_num_seqs: int = 8, **kwargs: Any) -> Iterator[Any]:
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    from vllm import LLM
+    from vllm.distributed import cleanup_dist_env_and_memory
+
+    additional_config = dict(kwargs.pop("additional_config", {}))
+    if diffusion_block_size is not None:
+        additional_config["diffusion_block_size"] = diffusion_block_size
+    kwargs.setdefault("dtype", "float32")
+    llm = LLM(model=str(model), enforce_eager=True, seed=0, max_model_len=max_model_len,
+              max_num_seqs=max_num_seqs, additional_config=additional_config, **kwargs)
+    try:
+        yield llm
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+        del llm
+        gc.collect()
+        cleanup_dist_env_and_memory()
+
+
+def stats_delta(before: dict[str, int], after: dict[str, int]) -> dict[str, float]:
+    """Counters between two ``diffusion_stats`` readings, with the derived ratios."""
+    stats: dict[str, float] = {k: after[k] - before[k] for k in after}
+    stats["denoising_steps_per_block"] = stats["denoising_steps"] / max(stats["blocks_completed"], 1)
+    stats["tokens_committed_per_denoising_step"] = (
+        stats["tokens_committed"] / max(stats["denoising_steps"], 1))
+    stats["block_positions_per_committed_token"] = (
+        stats["block_positions_computed"] / max(stats["tokens_committed"], 1))
+    return stats
