@@ -5,7 +5,11 @@
 2. Request admission for block-diffusion models: unsupported sampling parameters, invalid
    per-request policy options and prompts containing the mask token are rejected with a
    ``VLLMValidationError`` (HTTP 400), before the request reaches the engine.
-Both wrappers leave every other model untouched.
+3. Metric names: the scheduler reports denoising steps / canvas positions / committed
+   tokens through vLLM's spec-decoding counters, as vLLM's native diffusion models do;
+   the stat loggers are told to log and export them under vLLM's diffusion names
+   (``vllm:diffusion_num_denoising_steps`` ...), which ``vllm bench serve`` reads.
+The wrappers leave every other model untouched.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ _INSTALLED_FLAG = "_vllm_diffusion_wrapped"
 def install() -> None:
     _install_cli_flag()
     _install_request_validation()
+    _install_diffusion_metric_names()
 
 
 def _install_cli_flag() -> None:
@@ -95,3 +100,37 @@ def _install_request_validation() -> None:
 
     InputProcessor._validate_params = _validate_params
     InputProcessor._validate_model_input = _validate_model_input
+
+
+def _serves_diffusion_model(vllm_config: Any) -> bool:
+    from vllm_diffusion import ARCHITECTURES
+
+    model_config = getattr(vllm_config, "model_config", None)
+    return model_config is not None and model_config.architecture in ARCHITECTURES
+
+
+def _install_diffusion_metric_names() -> None:
+    from vllm.v1.metrics import loggers
+    from vllm.v1.spec_decode.metrics import SpecDecodingLogging
+
+    if getattr(loggers.LoggingStatLogger, _INSTALLED_FLAG, False):
+        return
+    setattr(loggers.LoggingStatLogger, _INSTALLED_FLAG, True)
+    logging_init = loggers.LoggingStatLogger.__init__
+    prometheus_init = loggers.PrometheusStatLogger.__init__
+
+    def logging_stat_logger_init(self, vllm_config, *args, **kwargs):
+        logging_init(self, vllm_config, *args, **kwargs)
+        if _serves_diffusion_model(vllm_config):
+            self.spec_decoding_logging = SpecDecodingLogging(is_diffusion=True)
+
+    def prometheus_stat_logger_init(self, vllm_config, *args, **kwargs):
+        prometheus_init(self, vllm_config, *args, **kwargs)
+        if _serves_diffusion_model(vllm_config):
+            # vLLM 0.32 labels every per-engine metric with ["model_name", "engine"].
+            self.spec_decoding_prom = self._spec_decoding_cls(
+                None, ["model_name", "engine"], self.per_engine_labelvalues,
+                is_diffusion=True)
+
+    loggers.LoggingStatLogger.__init__ = logging_stat_logger_init
+    loggers.PrometheusStatLogger.__init__ = prometheus_stat_logger_init

@@ -24,6 +24,7 @@ from typing import Any
 
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.spec_decode.metrics import SpecDecodingStats
 
 from vllm_diffusion.config import engine_config_from_vllm
 
@@ -63,6 +64,8 @@ class BlockDiffusionScheduler(Scheduler):
         self.num_sampled_tokens_per_step = 0
         self.num_lookahead_tokens = block
         self._committed: dict[str, int] = {}
+        self._denoised: set[str] = set()  # requests whose block is denoised this step
+        self._step_stats: SpecDecodingStats | None = None
 
     def schedule(self, throttle_prefills: bool = False) -> SchedulerOutput:
         block = self.diffusion_block_size
@@ -72,9 +75,11 @@ class BlockDiffusionScheduler(Scheduler):
         output = super().schedule(throttle_prefills)
         for req_id, num_scheduled in output.num_scheduled_tokens.items():
             request = self.requests[req_id]
+            num_computed = request.num_computed_tokens - num_scheduled
             self._committed[req_id] = committed_after_step(
-                request.num_computed_tokens - num_scheduled, num_scheduled,
-                request.num_tokens, block)
+                num_computed, num_scheduled, request.num_tokens, block)
+            if num_computed + num_scheduled >= request.num_tokens:
+                self._denoised.add(req_id)
         # The placeholders only sized the step; the runner owns the block's contents.
         output.scheduled_spec_decode_tokens.clear()
         for request in self.running:
@@ -83,6 +88,7 @@ class BlockDiffusionScheduler(Scheduler):
 
     def update_from_output(self, scheduler_output: SchedulerOutput,
                            model_runner_output: Any):
+        self._step_stats = self._diffusion_step_stats(scheduler_output, model_runner_output)
         outputs = super().update_from_output(scheduler_output, model_runner_output)
         for req_id in scheduler_output.num_scheduled_tokens:
             committed = self._committed.pop(req_id, None)
@@ -92,3 +98,21 @@ class BlockDiffusionScheduler(Scheduler):
             if request.num_computed_tokens > 0:  # 0 after a preemption in this step
                 request.num_computed_tokens = committed
         return outputs
+
+    def _diffusion_step_stats(self, scheduler_output: SchedulerOutput,
+                              model_runner_output: Any) -> SpecDecodingStats:
+        """This step's work, in the counters vLLM reports for diffusion models:
+        denoising steps (one per denoised block), canvas positions evaluated, and
+        committed (final) tokens."""
+        denoised = [r for r in scheduler_output.num_scheduled_tokens if r in self._denoised]
+        self._denoised.clear()
+        committed = sum(len(t) for t in (model_runner_output.sampled_token_ids or []))
+        return SpecDecodingStats(
+            num_spec_tokens=0, num_drafts=len(denoised),
+            num_draft_tokens=len(denoised) * self.diffusion_block_size,
+            num_accepted_tokens=committed)
+
+    def make_stats(self, spec_decoding_stats: SpecDecodingStats | None = None, *args: Any,
+                   **kwargs: Any):
+        step_stats, self._step_stats = self._step_stats, None
+        return super().make_stats(step_stats or spec_decoding_stats, *args, **kwargs)
