@@ -1,0 +1,124 @@
+"""A real ``vllm serve`` with the plugin on loopback: streaming of final tokens, metrics,
+request validation, bursts, client disconnects and clean shutdown. Bounded in time."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import re
+import time
+
+import pytest
+import requests
+
+from vllm_diffusion.testing.server import vllm_server
+
+BLOCK_SIZE = 16
+MAX_NUM_SEQS = 4
+SEQUENTIAL = {"strategy": "sequential"}  # one token per step: many steps per block
+
+
+@pytest.fixture(scope="module")
+def server(dense_checkpoint, tmp_path_factory):
+    log = tmp_path_factory.mktemp("server") / "serve.log"
+    with vllm_server(dense_checkpoint, "--diffusion-policy", "standard",
+                     "--additional-config", json.dumps({"diffusion_block_size": BLOCK_SIZE}),
+                     "--max-model-len", "512", "--max-num-seqs", str(MAX_NUM_SEQS),
+                     "--enforce-eager", log_path=log) as url:
+        yield {"url": url, "model": str(dense_checkpoint)}
+
+
+def metric(url: str, name: str) -> float:
+    text = requests.get(f"{url}/metrics", timeout=10).text
+    values = re.findall(rf"^{re.escape(name)}\{{[^}}]*\}} ([0-9.e+-]+)$", text, re.MULTILINE)
+    assert values, f"{name} not in /metrics"
+    return sum(float(v) for v in values)
+
+
+def wait_until_idle(url: str, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if (metric(url, "vllm:num_requests_running") == 0
+                and metric(url, "vllm:kv_cache_usage_perc") == 0):
+            return
+        time.sleep(0.5)
+    raise AssertionError("requests or KV blocks still held after the client went away")
+
+
+def chat_body(server, **extra):
+    return {"model": server["model"], "temperature": 0, "max_tokens": 12, "ignore_eos": True,
+            "messages": [{"role": "user", "content": "Tell me about the river."}], **extra}
+
+
+def stream_chat(server, body) -> list[str]:
+    deltas = []
+    with requests.post(f"{server['url']}/v1/chat/completions", json={**body, "stream": True},
+                       stream=True, timeout=60) as response:
+        assert response.status_code == 200
+        for line in response.iter_lines():
+            if not line.startswith(b"data: ") or line == b"data: [DONE]":
+                continue
+            delta = json.loads(line[6:])["choices"][0]["delta"].get("content")
+            if delta:
+                deltas.append(delta)
+    return deltas
+
+
+def test_streamed_chat_sends_final_tokens_before_the_block_completes(server):
+    body = chat_body(server, vllm_xargs=SEQUENTIAL)
+    deltas = stream_chat(server, body)
+    whole = requests.post(f"{server['url']}/v1/chat/completions", json=body, timeout=60).json()
+    assert "".join(deltas) == whole["choices"][0]["message"]["content"]
+    assert whole["usage"]["completion_tokens"] == 12
+    # 12 tokens span at most two blocks of 16: block-at-a-time output would be <= 2 chunks.
+    assert len(deltas) >= 6, deltas
+
+
+def test_metrics_report_diffusion_counters(server):
+    steps = metric(server["url"], "vllm:diffusion_num_denoising_steps_total")
+    requests.post(f"{server['url']}/v1/chat/completions",
+                  json=chat_body(server, vllm_xargs=SEQUENTIAL), timeout=60).raise_for_status()
+    assert metric(server["url"], "vllm:diffusion_num_denoising_steps_total") >= steps + 12
+    positions = metric(server["url"], "vllm:diffusion_num_canvas_positions_total")
+    committed = metric(server["url"], "vllm:diffusion_num_committed_tokens_total")
+    assert committed >= 12 and positions >= BLOCK_SIZE * committed / 2
+
+
+def test_invalid_option_is_a_400_and_the_server_keeps_serving(server):
+    response = requests.post(f"{server['url']}/v1/chat/completions",
+                             json=chat_body(server, vllm_xargs={"threshold": 2.0}), timeout=30)
+    assert response.status_code == 400
+    assert "option 'threshold' must be float in [0.0, 1.0]" in response.json()["error"]["message"]
+    response = requests.post(f"{server['url']}/v1/completions", timeout=30, json={
+        "model": server["model"], "prompt": "hi", "max_tokens": 4, "presence_penalty": 0.5})
+    assert response.status_code == 400 and "presence_penalty" in response.text
+    ok = requests.post(f"{server['url']}/v1/chat/completions", json=chat_body(server), timeout=60)
+    assert ok.status_code == 200
+
+
+def test_burst_larger_than_max_num_seqs_completes_alongside_a_bad_request(server):
+    def send(i):
+        extra = {"vllm_xargs": {"threshold": -1}} if i == 5 else {}
+        body = chat_body(server, **extra)
+        body["messages"][0]["content"] += f" number {i}"
+        return requests.post(f"{server['url']}/v1/chat/completions", json=body, timeout=120)
+
+    with concurrent.futures.ThreadPoolExecutor(12) as pool:
+        responses = list(pool.map(send, range(3 * MAX_NUM_SEQS)))
+    codes = [r.status_code for r in responses]
+    assert codes[5] == 400 and codes.count(200) == len(codes) - 1
+    assert all(r.json()["usage"]["completion_tokens"] == 12 for r in responses if r.ok)
+    wait_until_idle(server["url"])
+
+
+def test_client_disconnect_mid_stream_frees_the_request(server):
+    body = chat_body(server, max_tokens=400, vllm_xargs=SEQUENTIAL, stream=True)
+    with requests.post(f"{server['url']}/v1/chat/completions", json=body, stream=True,
+                       timeout=60) as response:
+        lines = response.iter_lines()
+        received = [next(lines) for _ in range(6)]  # a few deltas, mid-block
+    assert any(line.startswith(b"data: ") for line in received)
+    wait_until_idle(server["url"])
+    # The server is still healthy and serving.
+    assert requests.post(f"{server['url']}/v1/chat/completions", json=chat_body(server),
+                         timeout=60).status_code == 200
