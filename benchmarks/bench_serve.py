@@ -1,0 +1,117 @@
+"""``vllm bench serve`` against the plugin at a few request rates.
+
+Starts ``vllm serve`` on loopback with the chosen model and policy, runs ``vllm bench
+serve`` with the ``random`` dataset and with a local ShareGPT-format JSON file (written
+from the evaluation split), stops the server, and writes every result (JSON) plus a plot
+(PNG) of output throughput and P90 TPOT against the request rate.
+
+    python benchmarks/bench_serve.py [--model DIR] [--rates 1 4 16] [--num-prompts 32]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import subprocess
+
+DATASETS = ("random", "sharegpt")
+
+
+def write_sharegpt(path: pathlib.Path, per_family: int) -> None:
+    from vllm_diffusion.quality.corpus import eval_examples
+
+    conversations = [{"id": str(i), "conversations": [
+        {"from": "human", "value": e.prompt}, {"from": "gpt", "value": e.answer}]}
+        for i, e in enumerate(eval_examples(per_family))]
+    path.write_text(json.dumps(conversations))
+
+
+def bench(url: str, model: str, dataset: str, rate: str, args, out_dir: pathlib.Path,
+          sharegpt: pathlib.Path) -> dict:
+    from vllm_diffusion.testing.server import vllm_command
+
+    name = f"{dataset}_rate{rate}.json"
+    command = [vllm_command(), "bench", "serve", "--backend", "vllm", "--base-url", url,
+               "--model", model, "--num-prompts", str(args.num_prompts),
+               "--request-rate", rate, "--percentile-metrics", "ttft,tpot,itl,e2el",
+               "--metric-percentiles", "50,90,99", "--save-result",
+               "--result-dir", str(out_dir), "--result-filename", name, "--disable-tqdm",
+               "--seed", "0"]
+    if dataset == "random":
+        command += ["--dataset-name", "random", "--random-input-len", str(args.input_len),
+                    "--random-output-len", str(args.output_len), "--ignore-eos"]
+    else:
+        command += ["--dataset-name", "sharegpt", "--dataset-path", str(sharegpt)]
+    subprocess.run(command, check=True, stdout=subprocess.DEVNULL, timeout=1800)
+    result = json.loads((out_dir / name).read_text())
+    return {"dataset": dataset, "request_rate": rate,
+            **{k: result.get(k) for k in (
+                "completed", "failed", "duration", "total_output_tokens", "output_throughput",
+                "request_throughput", "mean_ttft_ms", "p90_ttft_ms", "mean_tpot_ms",
+                "p90_tpot_ms", "p90_itl_ms", "p90_e2el_ms")},
+            "diffusion": {k: v for k, v in result.items() if "diffusion" in k or "committed" in k
+                          or "denois" in k}}
+
+
+def plot(summary: list[dict], path: pathlib.Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    for dataset in DATASETS:
+        rows = [r for r in summary if r["dataset"] == dataset]
+        rates = [r["request_rate"] for r in rows]
+        left.plot(rates, [r["output_throughput"] for r in rows], marker="o", label=dataset)
+        right.plot(rates, [r["p90_tpot_ms"] for r in rows], marker="o", label=dataset)
+    left.set(xlabel="request rate (req/s)", ylabel="output tokens/s", title="throughput")
+    right.set(xlabel="request rate (req/s)", ylabel="ms", title="P90 TPOT")
+    left.legend()
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=None)
+    parser.add_argument("--policy", default="standard")
+    parser.add_argument("--block-size", type=int, default=4)
+    parser.add_argument("--rates", nargs="+", default=["1", "4", "16"])
+    parser.add_argument("--num-prompts", type=int, default=32)
+    parser.add_argument("--input-len", type=int, default=64)
+    parser.add_argument("--output-len", type=int, default=32)
+    parser.add_argument("--max-num-seqs", type=int, default=16)
+    parser.add_argument("--out-dir", default="results/bench_serve")
+    args = parser.parse_args()
+
+    from vllm_diffusion.default_model import default_model_path
+    from vllm_diffusion.testing.server import vllm_server
+
+    model = args.model or str(default_model_path())
+    out_dir = pathlib.Path(args.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    sharegpt = out_dir / "sharegpt_eval.json"
+    write_sharegpt(sharegpt, per_family=max(1, args.num_prompts // 7 + 1))
+    summary = []
+    with vllm_server(model, "--diffusion-policy", args.policy, "--enforce-eager",
+                     "--additional-config", json.dumps({"diffusion_block_size": args.block_size}),
+                     "--max-model-len", "1024", "--max-num-seqs", str(args.max_num_seqs),
+                     log_path=out_dir / "server.log") as url:
+        for dataset in DATASETS:
+            for rate in args.rates:
+                summary.append(bench(url, model, dataset, rate, args, out_dir, sharegpt))
+                print(json.dumps({k: summary[-1][k] for k in (
+                    "dataset", "request_rate", "completed", "output_throughput", "p90_tpot_ms")}))
+    report = {"model": model, "policy": args.policy, "block_size": args.block_size,
+              "num_prompts": args.num_prompts, "runs": summary}
+    (out_dir / "summary.json").write_text(json.dumps(report, indent=2) + "\n")
+    plot(summary, out_dir / "throughput_tpot.png",
+         f"{pathlib.Path(model).name}, {args.policy}, block {args.block_size}")
+    print(f"wrote {out_dir / 'summary.json'} and {out_dir / 'throughput_tpot.png'}")
+
+
+if __name__ == "__main__":
+    main()
