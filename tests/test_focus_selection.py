@@ -1,0 +1,72 @@
+"""FOCUS budget, retained-set constraints and the neighbour-aware intra-block cache, on
+hand-built inputs."""
+
+from __future__ import annotations
+
+import torch
+
+from vllm_diffusion.policies.focus_selection import IntraBlockCache, select_retained, token_budget
+
+T, F = True, False
+
+
+def bools(*values):
+    return torch.tensor(values, dtype=torch.bool)
+
+
+def test_budget_is_the_larger_of_history_and_outliers_capped_at_the_block():
+    one_outlier = torch.tensor([0.0, 0.0, 0.0, 0.0, 10.0])  # mean 2, std 4: only 10 >= 6
+    assert token_budget(one_outlier, mean_decoded=1.0, alpha=1.5, block_size=8) == 2
+    assert token_budget(one_outlier, mean_decoded=3.0, alpha=1.5, block_size=8) == 5
+    assert token_budget(one_outlier, mean_decoded=3.0, alpha=1.5, block_size=4) == 4
+    two_groups = torch.tensor([0.0] * 6 + [5.0] * 4)  # mean 2, std 2.45: the four 5s count
+    assert token_budget(two_groups, mean_decoded=1.0, alpha=1.5, block_size=16) == 4
+
+
+def test_top_k_keeps_left_neighbours():
+    delta = torch.tensor([0.1, 0.9, 0.2, 0.8, 0.3, 0.0])
+    everything = torch.ones(6, dtype=torch.bool)
+    retained = select_retained(delta, everything, 2, everything, everything)
+    assert retained.tolist() == [T, T, T, T, F, F]
+
+
+def test_never_processed_masks_left_of_the_rightmost_retained_are_kept():
+    delta = torch.tensor([0.0, 0.1, 0.2, 0.3, 0.9, 0.5])
+    candidates = torch.ones(6, dtype=torch.bool)
+    ever_processed = bools(F, F, T, T, T, T)
+    retained = select_retained(delta, candidates, 1, candidates, ever_processed)
+    # top-1 is 4, its left neighbour 3, and the unprocessed masks 0 and 1 left of 4.
+    assert retained.tolist() == [T, T, F, T, T, F]
+
+
+def test_decoded_positions_needing_recomputation_are_kept_and_frozen_ones_are_not():
+    delta = torch.tensor([0.0, 0.0, 0.9, 0.0, 0.0, 0.7])
+    candidates = bools(F, F, T, T, T, T)
+    processing = bools(F, T, T, T, T, T)  # 0 is frozen, 1 decoded but not yet
+    retained = select_retained(delta, candidates, 1, processing, torch.ones(6, dtype=torch.bool))
+    # 2 (top-1), 1 (recompute; also 2's left neighbour); 0 is frozen so never retained.
+    assert retained.tolist() == [F, T, T, F, F, F]
+
+
+def test_retained_set_is_never_empty():
+    processing = bools(T, T, T, T)
+    retained = select_retained(torch.zeros(4), bools(F, F, F, F), 0, processing, processing)
+    assert retained.tolist() == [T, T, T, T]
+    retained = select_retained(torch.zeros(4), processing, 0, processing, processing)
+    assert retained.tolist() == [T, T, T, T]
+
+
+def test_intra_block_cache_freezes_a_token_once_it_and_its_right_neighbour_are_decoded():
+    cache = IntraBlockCache(block_size=4)
+    assert cache.processing_set().tolist() == [T, T, T, T]  # first step: everything
+    cache.update(masked_before_step=bools(T, T, T, T))  # step 0 decodes position 0
+    assert cache.processing_set().tolist() == [T, T, T, T]  # 0 recomputed with its token
+    cache.update(masked_before_step=bools(F, T, T, T))  # step 1 decodes position 1
+    assert cache.processing_set().tolist() == [T, T, T, T]  # 0 waits for its neighbour
+    cache.update(masked_before_step=bools(F, F, T, T))  # step 2 decodes position 3
+    assert cache.processing_set().tolist() == [F, T, T, T]  # 0 frozen; 1's neighbour masked
+    cache.update(masked_before_step=bools(F, F, T, F))  # step 3 decodes position 2
+    # 3 is the last position (no right neighbour): frozen after one recomputation.
+    assert cache.processing_set().tolist() == [F, T, T, F]
+    cache.update(masked_before_step=bools(F, F, F, F))
+    assert cache.processing_set().tolist() == [T, T, T, T]  # all frozen: recompute all

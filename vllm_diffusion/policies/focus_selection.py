@@ -1,0 +1,93 @@
+"""FOCUS token selection and the neighbour-aware intra-block cache: torch references.
+
+Per request and denoising step, over the B positions of its block:
+
+- ``token_budget``: K = min(B, max(ceil(alpha * mean_decoded), N_sigma)) (FOCUS Eq. 4), where
+  N_sigma counts candidates whose importance delta is at least mean + std of the deltas.
+- ``select_retained``: the set S kept after layer 1: the top-K candidates by delta, the
+  left neighbour of every retained position (AR-context preservation), every
+  never-processed masked position left of the rightmost retained one (placeholder
+  integrity), and every decoded position that still needs recomputation. Never empty.
+- ``IntraBlockCache``: which positions a step processes. All of them on a block's first
+  step; afterwards a decoded position is dropped once it and its right neighbour were both
+  decoded before the step (so it is recomputed once with its real token first).
+
+These functions are not wired into the engine yet; they are the policy-side pieces of
+FOCUS, tested on hand-built inputs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+
+
+def token_budget(delta: torch.Tensor, mean_decoded: float, alpha: float,
+                 block_size: int) -> int:
+    """delta: [n] importance deltas of the candidates (n >= 1)."""
+    threshold = delta.mean() + delta.std(unbiased=False)
+    n_sigma = int((delta >= threshold).sum())
+    return min(block_size, max(math.ceil(alpha * mean_decoded), n_sigma))
+
+
+def select_retained(delta: torch.Tensor, candidates: torch.Tensor, budget: int,
+                    processing: torch.Tensor, ever_processed: torch.Tensor) -> torch.Tensor:
+    """The retained set S of one block.
+
+    delta:          [B] float, importance delta (only read at candidates)
+    candidates:     [B] bool, masked positions processed this step
+    budget:         K, number of top candidates to keep
+    processing:     [B] bool, positions processed this step (candidates and decoded
+                    positions that need recomputation)
+    ever_processed: [B] bool, positions processed at an earlier step of this block
+    Returns [B] bool; a subset of ``processing``.
+    """
+    retained = processing & ~candidates  # decoded positions needing recomputation
+    if not bool(candidates.any()):
+        return retained if bool(retained.any()) else processing.clone()
+    scores = torch.where(candidates, delta.float(), torch.full_like(delta.float(), float("-inf")))
+    order = torch.sort(scores, descending=True, stable=True).indices
+    top = torch.zeros_like(candidates)
+    top[order[:min(budget, int(candidates.sum()))]] = True
+    retained |= top
+    # AR-context preservation: keep the left neighbour of every retained position.
+    left_of_retained = torch.zeros_like(retained)
+    left_of_retained[:-1] = retained[1:]
+    retained |= left_of_retained & processing
+    # Placeholder integrity: masked positions never processed in this block, left of the
+    # rightmost retained position, have no KV yet; compute them now.
+    rightmost = int(torch.nonzero(retained).max()) if bool(retained.any()) else -1
+    left_of_rightmost = torch.arange(len(retained), device=retained.device) < rightmost
+    retained |= candidates & ~ever_processed & left_of_rightmost
+    if not bool(retained.any()):
+        return processing.clone()
+    return retained
+
+
+@dataclasses.dataclass
+class IntraBlockCache:
+    """Neighbour-aware delayed cache of one block (FOCUS Section 4.3)."""
+
+    block_size: int
+    uncached: torch.Tensor = None  # [B] bool, positions whose KV is not frozen
+    warm: bool = False  # False until the block's first step has processed everything
+
+    def __post_init__(self) -> None:
+        if self.uncached is None:
+            self.uncached = torch.ones(self.block_size, dtype=torch.bool)
+
+    def processing_set(self) -> torch.Tensor:
+        """[B] bool: the positions to compute this step."""
+        if not self.warm or not bool(self.uncached.any()):
+            return torch.ones(self.block_size, dtype=torch.bool)
+        return self.uncached.clone()
+
+    def update(self, masked_before_step: torch.Tensor) -> None:
+        """After a step, given which positions were masked before its unmasking."""
+        decoded = ~masked_before_step
+        right_decoded = torch.ones_like(decoded)  # the last position has no right neighbour
+        right_decoded[:-1] = decoded[1:]
+        self.uncached &= ~(decoded & right_decoded)
+        self.warm = True
