@@ -60,6 +60,9 @@ class DiffusionModelConfigHook(VerifyAndUpdateConfig):
                 f"diffusion block size ({block}); use --max-model-len "
                 f"{model_config.max_model_len // block * block}"
             )
+        if config.policy_name == "focus" and hf_config.num_hidden_layers < 2:
+            raise ValueError("the focus policy evicts after layer 1; the model has "
+                             f"{hf_config.num_hidden_layers} layer(s)")
         if vllm_config.speculative_config is not None:
             raise ValueError("speculative decoding cannot be combined with block diffusion")
 

@@ -46,6 +46,8 @@ class Rule:
             raise OptionError(f"{source}: option '{name}' must be {self.describe()}, got null")
         if self.kind is float and isinstance(value, int) and not isinstance(value, bool):
             value = float(value)
+        if isinstance(value, str) and self.kind is bool and value.lower() in ("true", "false"):
+            value = value.lower() == "true"
         if isinstance(value, str) and self.kind in (int, float):
             try:
                 value = self.kind(value)

@@ -22,7 +22,8 @@ from vllm.v1.attention.backend import (
 )
 
 from vllm_diffusion.attention.block_attention import block_causal_attention, write_kv
-from vllm_diffusion.attention.importance import ImportanceProbe
+from vllm_diffusion.attention.eviction import EVICTION_LAYER, EvictionStep
+from vllm_diffusion.attention.importance import ImportanceProbe, layer_index
 
 
 @dataclass
@@ -35,6 +36,18 @@ class BlockDiffusionMetadata:
     kv_lens: list[int]  # R: keys [0, kv_len) are visible to request r (host)
     diffusion_block_size: int
     importance: ImportanceProbe | None = None  # set when candidates' importance is wanted
+    eviction: EvictionStep | None = None  # set for FOCUS steps
+
+    def compact(self, keep_rows: torch.Tensor, keep: torch.Tensor) -> None:
+        """Keep only the query rows ``keep_rows`` (``keep``: [T] bool, host) from here on."""
+        self.query_positions = self.query_positions[keep_rows]
+        self.slot_mapping = self.slot_mapping[keep_rows]
+        counts = [int(keep[a:b].sum()) for a, b in
+                  zip(self.query_start_loc[:-1], self.query_start_loc[1:])]
+        self.query_start_loc = [0]
+        for count in counts:
+            self.query_start_loc.append(self.query_start_loc[-1] + count)
+        self.num_actual_tokens = len(keep_rows)
 
 
 class BlockDiffusionAttentionBackend(AttentionBackend):
@@ -98,6 +111,7 @@ class BlockDiffusionAttentionImpl(AttentionImpl[BlockDiffusionMetadata]):
         self.head_size = head_size
         self.scale = scale
         self.num_kv_heads = num_kv_heads or num_heads
+        self.layer_index: int | None = None
 
     def forward(self, layer: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
                 value: torch.Tensor, kv_cache: torch.Tensor,
@@ -105,12 +119,21 @@ class BlockDiffusionAttentionImpl(AttentionImpl[BlockDiffusionMetadata]):
                 output_scale=None, output_block_scale=None) -> torch.Tensor:
         if attn_metadata is None:  # vLLM's profiling runs carry no metadata
             return output.zero_()
-        n = attn_metadata.num_actual_tokens
-        if attn_metadata.importance is not None:
-            attn_metadata.importance.observe(layer.layer_name, query[:n], key[:n], self.scale)
-        write_kv(kv_cache, key[:n], value[:n], attn_metadata.slot_mapping)
-        output[:n] = block_causal_attention(
-            query[:n], kv_cache, attn_metadata.query_positions,
-            attn_metadata.query_start_loc, attn_metadata.kv_lens,
-            attn_metadata.block_table, attn_metadata.diffusion_block_size, self.scale)
+        if self.layer_index is None:
+            self.layer_index = layer_index(layer.layer_name)
+        md = attn_metadata
+        n = md.num_actual_tokens
+        if md.importance is not None:
+            md.importance.observe(layer.layer_name, query[:n], key[:n], self.scale)
+        write_kv(kv_cache, key[:n], value[:n], md.slot_mapping)
+        rows = slice(0, n)
+        if md.eviction is not None and self.layer_index == EVICTION_LAYER:
+            # Every processed row has stored its layer-1 KV; from here on only kept rows.
+            md.eviction.select(md)
+            if md.eviction.keep_rows is not None:
+                output[:n].zero_()
+                rows = md.eviction.keep_rows
+        output[rows] = block_causal_attention(
+            query[rows], kv_cache, md.query_positions, md.query_start_loc, md.kv_lens,
+            md.block_table, md.diffusion_block_size, self.scale)
         return output

@@ -48,11 +48,12 @@ class ImportanceProbe:
     """Asks the attention layers 0 and 1 for the importance of candidate rows.
 
     rows[r]: indices (into this step's query rows) of request r's candidates, or None.
+    pool_kernels[r]: request r's MaxPool1D kernel (default 3 for all).
     Filled by the attention backend: scores[layer][r] = I of request r's candidates.
     """
 
     rows: list[torch.Tensor | None]
-    pool_kernel: int = 3
+    pool_kernels: list[int] | None = None
     scores: dict[int, list[torch.Tensor | None]] = dataclasses.field(default_factory=dict)
 
     def observe(self, layer_name: str, query: torch.Tensor, key: torch.Tensor,
@@ -60,10 +61,11 @@ class ImportanceProbe:
         index = layer_index(layer_name)
         if index not in IMPORTANCE_LAYERS:
             return
+        kernels = self.pool_kernels or [3] * len(self.rows)
         self.scores[index] = [
             None if rows is None or rows.numel() == 0 else
-            candidate_importance(query[rows], key[rows], scale, self.pool_kernel)
-            for rows in self.rows]
+            candidate_importance(query[rows], key[rows], scale, kernel)
+            for rows, kernel in zip(self.rows, kernels)]
 
     def delta(self, request: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(I(layer 1) - I(layer 0), I(layer 1)) of one request's candidates."""

@@ -3,7 +3,8 @@
 SDAR's architecture is Qwen3 verbatim (weights, names, q/k-norm before RoPE); only the
 attention mask and the decoding loop differ. The models are vLLM's own Qwen3 classes
 (tensor parallelism and weight loading as in vLLM) whose attention layers are rebuilt on
-``BlockDiffusionAttentionBackend``.
+``BlockDiffusionAttentionBackend``, with the hooks FOCUS eviction uses (inactive unless a
+step evicts).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from vllm.model_executor.models.qwen3 import Qwen3ForCausalLM
 from vllm.model_executor.models.qwen3_moe import Qwen3MoeForCausalLM
 
 from vllm_diffusion.attention.backend import BlockDiffusionAttentionBackend
+from vllm_diffusion.attention.eviction import install_eviction_hooks
 
 
 def use_block_diffusion_attention(model: nn.Module, vllm_config: VllmConfig) -> None:
@@ -45,9 +47,11 @@ class SDARForCausalLM(Qwen3ForCausalLM):
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
         super().__init__(vllm_config=vllm_config, prefix=prefix)
         use_block_diffusion_attention(self, vllm_config)
+        install_eviction_hooks(self.model.layers)
 
 
 class SDARMoeForCausalLM(Qwen3MoeForCausalLM):
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
         super().__init__(vllm_config=vllm_config, prefix=prefix)
         use_block_diffusion_attention(self, vllm_config)
+        install_eviction_hooks(self.model.layers)

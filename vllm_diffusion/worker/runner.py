@@ -4,9 +4,9 @@
 keeps vLLM's request bookkeeping (``_update_states``: new, resumed and finished requests,
 KV block tables), its model, KV cache and forward context, and replaces the autoregressive
 input preparation and sampling with the block-diffusion step: build the rows of every
-request (``step_plan``), run the model once over all of them with block-causal attention,
-propose tokens for the block rows, let the policy choose which to commit, and return the
-newly final tokens as this step's output.
+request (``step_plan``), run the model once over all of them with block-causal attention
+(FOCUS steps evict after layer 1), propose tokens for the surviving block rows, let the
+policy choose which to commit, and return the newly final tokens as this step's output.
 """
 
 from __future__ import annotations
@@ -20,8 +20,11 @@ from vllm.forward_context import set_forward_context
 from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
 
 from vllm_diffusion.attention.backend import BlockDiffusionMetadata
+from vllm_diffusion.attention.eviction import EvictionStep
 from vllm_diffusion.attention.importance import ImportanceProbe
 from vllm_diffusion.config import engine_config_from_vllm
+from vllm_diffusion.policies.focus import FocusPolicy, FocusRequestState
+from vllm_diffusion.worker.focus_step import candidate_rows, eviction_step, hidden_rows
 from vllm_diffusion.worker.sampling import propose_tokens
 from vllm_diffusion.worker.step_plan import (
     BlockCanvas,
@@ -38,7 +41,8 @@ class DiffusionStats:
     engine_steps: int = 0
     denoising_steps: int = 0  # block-steps: one per request per step with a block
     positions_computed: int = 0  # model rows, prefill and commit rows included
-    block_positions_computed: int = 0  # rows of the blocks being denoised
+    block_positions_computed: int = 0  # block rows through layers 0-1
+    block_positions_after_eviction: int = 0  # block rows through the last layers
     tokens_committed: int = 0  # final tokens emitted
     blocks_completed: int = 0
 
@@ -61,7 +65,9 @@ class DiffusionRunnerMixin:
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.diffusion = engine_config_from_vllm(self.vllm_config)
+        self.focus = self.diffusion.policy is FocusPolicy
         self.block_canvases: dict[str, BlockCanvas] = {}
+        self.focus_states: dict[str, FocusRequestState] = {}
         self.diffusion_stats = DiffusionStats()
         # When a list: one entry per (request, step) with the importance delta, raw layer-1
         # importance and decoded flag of every masked position (the decodability study).
@@ -71,14 +77,20 @@ class DiffusionRunnerMixin:
         self._update_states(scheduler_output)
         for req_id in scheduler_output.finished_req_ids:
             self.block_canvases.pop(req_id, None)
+            self.focus_states.pop(req_id, None)
         if not scheduler_output.total_num_scheduled_tokens:
             return EMPTY_MODEL_RUNNER_OUTPUT
 
         req_ids = [r for r in self.input_batch.req_ids if r is not None]
         rows = [self._plan(req_id, scheduler_output) for req_id in req_ids]
-        probe = self._importance_probe(rows) if self.importance_records is not None else None
-        hidden_states = self._forward(rows, probe)
-        sampled = self._denoise(rows, hidden_states, probe)
+        mask_id, device = self.diffusion.mask_token_id, self.device
+        eviction = (eviction_step(rows, self.focus_states, mask_id, self.diffusion.block_size,
+                                  device) if self.focus else None)
+        probe = eviction.probe if eviction is not None else (
+            ImportanceProbe(candidate_rows(rows, mask_id, device))
+            if self.importance_records is not None else None)
+        hidden_states = self._forward(rows, probe, eviction)
+        sampled = self._denoise(rows, hidden_states, probe, eviction)
         self.diffusion_stats.engine_steps += 1
         return ModelRunnerOutput(
             req_ids=req_ids,
@@ -92,37 +104,35 @@ class DiffusionRunnerMixin:
         policy_config = (canvas.policy_config if canvas is not None else
                          self.diffusion.request_policy_config(
                              state.sampling_params.extra_args))
+        processing = None
+        if self.focus:
+            focus_state = self.focus_states.setdefault(
+                req_id, FocusRequestState(self.diffusion.block_size))
+
+            def processing(block: BlockCanvas) -> torch.Tensor:
+                focus_state.start_block(block.start)
+                return focus_state.processing_set(block.policy_config)
+
         plan = plan_request(
             req_id, list(state.prompt_token_ids) + state.output_token_ids,
             state.num_computed_tokens, scheduler_output.num_scheduled_tokens[req_id],
-            self.diffusion.block_size, self.diffusion.mask_token_id, canvas, policy_config)
+            self.diffusion.block_size, self.diffusion.mask_token_id, canvas, policy_config,
+            processing)
         if plan.canvas is not None:
             self.block_canvases[req_id] = plan.canvas
         return plan
 
-    def _importance_probe(self, rows: list[RequestRows]) -> ImportanceProbe:
-        """Candidate rows (masked block positions) of every request with a block."""
-        mask_id, offset, candidates = self.diffusion.mask_token_id, 0, []
-        for r in rows:
-            offset += len(r.positions)
-            if r.canvas is None:
-                candidates.append(None)
-                continue
-            masked = torch.nonzero(r.canvas.tokens == mask_id).flatten()
-            candidates.append((offset - self.diffusion.block_size + masked).to(self.device))
-        return ImportanceProbe(candidates)
-
-    def _forward(self, rows: list[RequestRows], probe: ImportanceProbe | None) -> torch.Tensor:
+    def _forward(self, rows: list[RequestRows], probe: ImportanceProbe | None,
+                 eviction: EvictionStep | None) -> torch.Tensor:
         device = self.device
         page_size = self.cache_config.block_size
         positions = torch.tensor([p for r in rows for p in r.positions], dtype=torch.long)
         token_ids = torch.tensor([t for r in rows for t in r.token_ids], dtype=torch.long)
         page_tables = [torch.tensor(self.requests[r.req_id].block_ids[0], dtype=torch.long)
                        for r in rows]
-        slots = torch.cat([
-            table[torch.tensor(r.positions, dtype=torch.long) // page_size] * page_size
-            + torch.tensor(r.positions, dtype=torch.long) % page_size
-            for r, table in zip(rows, page_tables)])
+        slots = torch.cat([table[torch.tensor(r.positions, dtype=torch.long) // page_size]
+                           * page_size + torch.tensor(r.positions, dtype=torch.long) % page_size
+                           for r, table in zip(rows, page_tables)])
         query_start_loc = [0]
         for r in rows:
             query_start_loc.append(query_start_loc[-1] + len(r.positions))
@@ -136,6 +146,7 @@ class DiffusionRunnerMixin:
             kv_lens=[r.kv_len for r in rows],
             diffusion_block_size=self.diffusion.block_size,
             importance=probe,
+            eviction=eviction,
         )
         layer_names = [name for group in self.kv_cache_config.kv_cache_groups
                        for name in group.layer_names]
@@ -144,42 +155,49 @@ class DiffusionRunnerMixin:
                                  slot_mapping={}):
             hidden_states = self.model(input_ids=token_ids.to(device),
                                        positions=positions.to(device))
-        stats = self.diffusion_stats
-        stats.positions_computed += len(positions)
+        self.diffusion_stats.positions_computed += len(positions)
         return hidden_states
 
     def _denoise(self, rows: list[RequestRows], hidden_states: torch.Tensor,
-                 probe: ImportanceProbe | None) -> list[list[int]]:
+                 probe: ImportanceProbe | None,
+                 eviction: EvictionStep | None) -> list[list[int]]:
         block = self.diffusion.block_size
         mask_id = self.diffusion.mask_token_id
-        logit_rows, offset = [], 0
-        for r in rows:
-            offset += len(r.positions)
-            if r.canvas is not None:
-                logit_rows.append(torch.arange(offset - block, offset))
-        if not logit_rows:
+        num_rows = sum(len(r.positions) for r in rows)
+        surviving, out_rows = hidden_rows(rows, eviction, num_rows)
+        if not len(out_rows):
             return [[] for _ in rows]
-        logits = self.model.compute_logits(hidden_states[torch.cat(logit_rows).to(self.device)])
+        logits = self.model.compute_logits(hidden_states[out_rows.to(self.device)])
         sampled: list[list[int]] = []
-        index = 0
-        for request_index, r in enumerate(rows):
-            if r.canvas is None:
+        offset = 0
+        for request_index, (r, positions) in enumerate(zip(rows, surviving)):
+            if positions is None:
                 sampled.append([])
                 continue
             state = self.requests[r.req_id]
             params = state.sampling_params
             tokens, confidence = propose_tokens(
-                logits[index * block:(index + 1) * block], mask_id, params.temperature,
+                logits[offset:offset + len(positions)], mask_id, params.temperature,
                 params.top_k, params.top_p, state.generator)
-            index += 1
+            offset += len(positions)
             canvas = r.canvas
             masked = canvas.tokens == mask_id
+            eligible = torch.zeros(block, dtype=torch.bool)
+            eligible[positions] = True
+            full_confidence = torch.full((block,), float("-inf"))
+            full_confidence[positions] = confidence.cpu()
+            proposals = torch.full((block,), mask_id, dtype=torch.long)
+            proposals[positions] = tokens.cpu()
             commit = self.diffusion.policy.choose_commits(
-                confidence.cpu(), masked, canvas.steps, block, canvas.policy_config)
-            if probe is not None:
+                full_confidence, masked & eligible, canvas.steps, block, canvas.policy_config)
+            if probe is not None and self.importance_records is not None:
                 self._record_importance(probe, request_index, masked, commit)
-            canvas.tokens[commit] = tokens.cpu()[commit]
+            canvas.tokens[commit] = proposals[commit]
             canvas.steps += 1
+            if self.focus:
+                processing = torch.zeros(block, dtype=torch.bool)
+                processing[r.block_positions] = True
+                self.focus_states[r.req_id].after_step(masked, processing, int(commit.sum()))
             final = truncate_at_stop(
                 emit_final_tokens(canvas, len(state.prompt_token_ids)
                                   + len(state.output_token_ids), mask_id),
@@ -188,7 +206,8 @@ class DiffusionRunnerMixin:
             sampled.append(final)
             stats = self.diffusion_stats
             stats.denoising_steps += 1
-            stats.block_positions_computed += block
+            stats.block_positions_computed += len(r.block_positions)
+            stats.block_positions_after_eviction += len(positions)
             stats.tokens_committed += len(final)
             stats.blocks_completed += int(not bool((canvas.tokens == mask_id).any()))
         return sampled

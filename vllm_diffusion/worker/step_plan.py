@@ -34,12 +34,18 @@ class RequestRows:
     token_ids: list[int]
     kv_len: int
     canvas: BlockCanvas | None  # None: prefill-only rows, no logits
+    # [n] block-relative positions computed this step (the request's last n rows)
+    block_positions: torch.Tensor | None = None
 
 
 def plan_request(req_id: str, token_ids: list[int], num_computed: int,
                  num_scheduled: int, block_size: int, mask_token_id: int,
-                 canvas: BlockCanvas | None, policy_config: object) -> RequestRows:
-    """Rows of one request for this step; creates or reuses the request's canvas."""
+                 canvas: BlockCanvas | None, policy_config: object,
+                 processing=None) -> RequestRows:
+    """Rows of one request for this step; creates or reuses the request's canvas.
+
+    ``processing(canvas) -> [B] bool`` picks the block positions to compute (default: all).
+    """
     if num_computed % block_size:
         raise RuntimeError(
             f"request {req_id}: committed prefix {num_computed} is not on a diffusion "
@@ -57,9 +63,12 @@ def plan_request(req_id: str, token_ids: list[int], num_computed: int,
         tokens[:len(fixed)] = torch.tensor(fixed, dtype=torch.long)
         canvas = BlockCanvas(block_start, tokens, policy_config)
     block_end = block_start + block_size
+    computed = (torch.arange(block_size) if processing is None
+                else torch.nonzero(processing(canvas)).flatten())
     return RequestRows(
-        req_id, list(range(num_computed, block_end)),
-        token_ids[num_computed:block_start] + canvas.tokens.tolist(), block_end, canvas)
+        req_id, list(range(num_computed, block_start)) + (computed + block_start).tolist(),
+        token_ids[num_computed:block_start] + canvas.tokens[computed].tolist(), block_end,
+        canvas, computed)
 
 
 def emit_final_tokens(canvas: BlockCanvas, num_tokens: int, mask_token_id: int) -> list[int]:

@@ -1,0 +1,79 @@
+"""FOCUS in the engine: without eviction it decodes exactly like the standard policy; with
+eviction it computes fewer positions in the later layers, and requests that evict do not
+disturb requests beside them that do not."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import diffusion_llm
+from reference_sdar import ReferenceSDAR, reference_generate
+from test_parity import checkpoint_info, make_prompts
+
+from vllm import SamplingParams
+from vllm.inputs import TokensPrompt
+
+NO_EVICTION = {"evict": False, "intra_block_cache": False}
+
+
+@pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
+def test_focus_without_eviction_equals_the_reference(moe, dense_checkpoint, moe_checkpoint):
+    checkpoint = moe_checkpoint if moe else dense_checkpoint
+    block_size = 8
+    mask_id, stops, vocab_size = checkpoint_info(checkpoint)
+    reference = ReferenceSDAR(checkpoint)
+    prompts = make_prompts(block_size, vocab_size, stops | {mask_id}, seed=21)
+    with diffusion_llm(checkpoint, diffusion_block_size=block_size,
+                       additional_config={"diffusion_policy": "focus"}) as llm:
+        for strategy in ("threshold", "low_confidence_dynamic"):
+            options = {"strategy": strategy, "threshold": 0.7}
+            params = SamplingParams(temperature=0, max_tokens=3 * block_size,
+                                    extra_args={**options, **NO_EVICTION})
+            outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params,
+                                   use_tqdm=False)
+            for prompt, out in zip(prompts, outputs):
+                want = reference_generate(reference, prompt, block_size=block_size,
+                                          mask_id=mask_id, max_tokens=3 * block_size,
+                                          stop_token_ids=stops, **options)
+                assert list(out.outputs[0].token_ids) == want, strategy
+
+
+def test_eviction_reduces_later_layer_work_next_to_exact_requests(dense_checkpoint):
+    block_size = 16
+    mask_id, stops, vocab_size = checkpoint_info(dense_checkpoint)
+    reference = ReferenceSDAR(dense_checkpoint)
+    prompts = make_prompts(block_size, vocab_size, stops | {mask_id}, seed=22)
+    prompts += make_prompts(block_size, vocab_size, stops | {mask_id}, seed=23)
+    options = {"strategy": "threshold", "threshold": 0.7}
+    evicting = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, extra_args=options)
+    exact = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True,
+                           extra_args={**options, **NO_EVICTION})
+    params = [evicting, exact] * 3  # one batch, alternating
+    with diffusion_llm(dense_checkpoint, diffusion_block_size=block_size,
+                       additional_config={"diffusion_policy": "focus"}) as llm:
+        before = llm.collective_rpc("diffusion_stats")[0]
+        outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params,
+                               use_tqdm=False)
+        after = llm.collective_rpc("diffusion_stats")[0]
+    for prompt, out, p in zip(prompts, outputs, params):
+        tokens = list(out.outputs[0].token_ids)
+        assert len(tokens) == 40 and mask_id not in tokens
+        if p is exact:
+            assert tokens == reference_generate(reference, prompt, block_size=block_size,
+                                                mask_id=mask_id, max_tokens=40, **options)
+    computed = after["block_positions_computed"] - before["block_positions_computed"]
+    after_eviction = (after["block_positions_after_eviction"]
+                      - before["block_positions_after_eviction"])
+    assert after_eviction < 0.9 * computed
+
+
+def test_focus_options_are_validated(dense_checkpoint):
+    from vllm.exceptions import VLLMValidationError
+
+    with diffusion_llm(dense_checkpoint, diffusion_block_size=8,
+                       additional_config={"diffusion_policy": "focus", "alpha": 2.0}) as llm:
+        for extra, message in (({"alpha": 0.5}, r"'alpha' must be float in \[1.0, 64.0\]"),
+                               ({"pool_kernel": 4}, r"'pool_kernel' must be odd"),
+                               ({"commit": "lazy"}, r"'commit' must be one of 'exact'")):
+            with pytest.raises((ValueError, VLLMValidationError), match=message):
+                llm.generate(TokensPrompt(prompt_token_ids=[5, 6, 7]),
+                             SamplingParams(max_tokens=4, extra_args=extra), use_tqdm=False)

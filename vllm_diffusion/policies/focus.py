@@ -1,0 +1,101 @@
+"""FOCUS: evict non-decodable tokens of a block after layer 1 (arXiv 2601.23278).
+
+At layers 0 and 1 the importance of every masked candidate (``attention/importance.py``)
+gives the delta I1 - I0; the top-K candidates by delta (K from ``token_budget``), with the
+structural constraints of ``select_retained``, continue through layer 1's attention and
+every later layer; the others are evicted for this step and stay masked. Decoded positions
+stop being recomputed once they and their right neighbour are decoded
+(``IntraBlockCache``). The unmasking rule (the standard strategies) sees only retained
+positions. With ``evict=False`` and ``intra_block_cache=False`` every step computes the
+whole block and FOCUS decodes exactly like ``standard``.
+
+Commit of a completed block: ``exact`` re-encodes the decoded block in the next step (its
+committed KV equals a clean forward). The paper's ``delayed`` commit (recompute only the
+positions the intra-block cache has not frozen) is not implemented yet.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import ClassVar
+
+import torch
+
+from vllm_diffusion.options import Rule, option
+from vllm_diffusion.policies.focus_selection import IntraBlockCache, select_retained, token_budget
+from vllm_diffusion.policies.standard import STRATEGIES, StandardPolicyConfig, choose_commits
+
+
+@dataclasses.dataclass(frozen=True)
+class FocusPolicyConfig(StandardPolicyConfig):
+    strategy: str = option("threshold", Rule(str, choices=STRATEGIES))
+    threshold: float = option(0.8, Rule(float, low=0.0, high=1.0))  # the paper's setting
+    alpha: float = option(1.5, Rule(float, low=1.0, high=64.0))
+    pool_kernel: int = option(3, Rule(int, low=1, high=15))
+    evict: bool = option(True, Rule(bool))
+    intra_block_cache: bool = option(True, Rule(bool))
+    commit: str = option("exact", Rule(str, choices=("exact",)))
+
+    def validate_for_block(self, block_size: int, source: str) -> None:
+        super().validate_for_block(block_size, source)
+        if self.pool_kernel % 2 == 0:
+            from vllm_diffusion.options import OptionError
+
+            raise OptionError(f"{source}: option 'pool_kernel' must be odd, got {self.pool_kernel}")
+
+
+@dataclasses.dataclass
+class FocusRequestState:
+    """FOCUS state of one request; the block-level parts reset at each block."""
+
+    block_size: int
+    decoded_steps: int = 0
+    decoded_tokens: int = 0
+    block_start: int = -1
+    cache: IntraBlockCache | None = None
+    ever_processed: torch.Tensor | None = None  # [B] bool
+
+    def start_block(self, block_start: int) -> None:
+        if block_start != self.block_start:
+            self.block_start = block_start
+            self.cache = IntraBlockCache(self.block_size)
+            self.ever_processed = torch.zeros(self.block_size, dtype=torch.bool)
+
+    @property
+    def mean_decoded(self) -> float:
+        """Running mean of tokens decoded per step (1 before the first step)."""
+        return self.decoded_tokens / self.decoded_steps if self.decoded_steps else 1.0
+
+    def processing_set(self, config: FocusPolicyConfig) -> torch.Tensor:
+        """[B] bool: the block positions computed this step."""
+        if not config.intra_block_cache:
+            return torch.ones(self.block_size, dtype=torch.bool)
+        return self.cache.processing_set()
+
+    def retained(self, delta: torch.Tensor, candidates: torch.Tensor, processing: torch.Tensor,
+                 config: FocusPolicyConfig) -> torch.Tensor:
+        """[B] bool: positions kept after layer 1. delta: [B] (read at candidates)."""
+        if not config.evict or not bool(candidates.any()):
+            return processing.clone()
+        budget = token_budget(delta[candidates], self.mean_decoded, config.alpha, self.block_size)
+        if budget >= int(candidates.sum()):
+            return processing.clone()
+        return select_retained(delta, candidates, budget, processing, self.ever_processed)
+
+    def after_step(self, masked_before: torch.Tensor, processing: torch.Tensor,
+                   num_decoded: int) -> None:
+        self.cache.update(masked_before)
+        self.ever_processed |= processing
+        self.decoded_steps += 1
+        self.decoded_tokens += num_decoded
+
+
+class FocusPolicy:
+    name: ClassVar[str] = "focus"
+    config_cls: ClassVar[type] = FocusPolicyConfig
+
+    @staticmethod
+    def choose_commits(confidence: torch.Tensor, masked: torch.Tensor, step: int,
+                       block_size: int, config: FocusPolicyConfig) -> torch.Tensor:
+        """``masked`` is already restricted to retained positions by the runner."""
+        return choose_commits(confidence, masked, step, block_size, config)
