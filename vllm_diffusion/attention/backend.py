@@ -2,8 +2,8 @@
 
 The diffusion runner builds ``BlockDiffusionMetadata`` itself for every step (one object
 shared by all layers); the backend stores this step's keys/values at the given slots and
-runs block-causal attention over each request's paged KV. On every device the torch
-reference in ``block_attention`` runs; a fused kernel slots in behind the same functions.
+runs block-causal attention over each request's paged KV: the Triton kernel on CUDA, the
+torch reference (``block_attention``) elsewhere; both have the same signature.
 """
 
 from __future__ import annotations
@@ -21,7 +21,8 @@ from vllm.v1.attention.backend import (
     CommonAttentionMetadata,
 )
 
-from vllm_diffusion.attention.block_attention import block_causal_attention, write_kv
+from vllm_diffusion.attention import block_attention
+from vllm_diffusion.attention.block_attention import write_kv
 from vllm_diffusion.attention.eviction import EVICTION_LAYER, EvictionStep
 from vllm_diffusion.attention.importance import ImportanceProbe, layer_index
 
@@ -48,6 +49,15 @@ class BlockDiffusionMetadata:
         for count in counts:
             self.query_start_loc.append(self.query_start_loc[-1] + count)
         self.num_actual_tokens = len(keep_rows)
+
+
+def attention_kernel(device: torch.device):
+    """The block-causal attention implementation for tensors on ``device``."""
+    if device.type == "cuda":
+        from vllm_diffusion.attention import triton_block_attention
+
+        return triton_block_attention.block_causal_attention
+    return block_attention.block_causal_attention
 
 
 class BlockDiffusionAttentionBackend(AttentionBackend):
@@ -133,7 +143,7 @@ class BlockDiffusionAttentionImpl(AttentionImpl[BlockDiffusionMetadata]):
             if md.eviction.keep_rows is not None:
                 output[:n].zero_()
                 rows = md.eviction.keep_rows
-        output[rows] = block_causal_attention(
+        output[rows] = attention_kernel(query.device)(
             query[rows], kv_cache, md.query_positions, md.query_start_loc, md.kv_lens,
             md.block_table, md.diffusion_block_size, self.scale)
         return output
