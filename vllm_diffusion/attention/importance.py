@@ -35,6 +35,28 @@ def candidate_importance(query: torch.Tensor, key: torch.Tensor, scale: float,
     return scores.softmax(dim=-1).sum(dim=(0, 1))
 
 
+def batched_candidate_importance(query: torch.Tensor, key: torch.Tensor,
+                                 rows: list[torch.Tensor | None], scale: float,
+                                 pool_kernels: list[int]) -> list[torch.Tensor | None]:
+    """Importance of every request's candidates in one call.
+
+    query: [T, H, D], key: [T, H_kv, D] of the whole step; rows[r]: query rows of request
+    r's candidates (ascending positions) or None; returns I per request ([n_r] or None).
+    """
+    return [None if r is None or r.numel() == 0 else
+            candidate_importance(query[r], key[r], scale, kernel)
+            for r, kernel in zip(rows, pool_kernels)]
+
+
+def importance_kernel(device: torch.device):
+    """The batched importance implementation for tensors on ``device``."""
+    if device.type == "cuda":
+        from vllm_diffusion.attention import triton_importance
+
+        return triton_importance.batched_candidate_importance
+    return batched_candidate_importance
+
+
 _LAYER_INDEX = re.compile(r"layers\.(\d+)\.")
 
 
@@ -62,10 +84,8 @@ class ImportanceProbe:
         if index not in IMPORTANCE_LAYERS:
             return
         kernels = self.pool_kernels or [3] * len(self.rows)
-        self.scores[index] = [
-            None if rows is None or rows.numel() == 0 else
-            candidate_importance(query[rows], key[rows], scale, kernel)
-            for rows, kernel in zip(self.rows, kernels)]
+        self.scores[index] = importance_kernel(query.device)(query, key, self.rows, scale,
+                                                             kernels)
 
     def delta(self, request: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(I(layer 1) - I(layer 0), I(layer 1)) of one request's candidates."""
