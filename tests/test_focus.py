@@ -73,7 +73,32 @@ def test_focus_options_are_validated(dense_checkpoint):
                        additional_config={"diffusion_policy": "focus", "alpha": 2.0}) as llm:
         for extra, message in (({"alpha": 0.5}, r"'alpha' must be float in \[1.0, 64.0\]"),
                                ({"pool_kernel": 4}, r"'pool_kernel' must be odd"),
-                               ({"commit": "lazy"}, r"'commit' must be one of 'exact'")):
+                               ({"commit": "lazy"}, r"'commit' must be one of 'exact'"),
+                               ({"commit": "delayed"}, r"'commit' is engine-wide")):
             with pytest.raises((ValueError, VLLMValidationError), match=message):
                 llm.generate(TokensPrompt(prompt_token_ids=[5, 6, 7]),
                              SamplingParams(max_tokens=4, extra_args=extra), use_tqdm=False)
+
+
+def test_delayed_commit_recomputes_only_unfrozen_positions(dense_checkpoint):
+    block_size = 16
+    mask_id, stops, vocab_size = checkpoint_info(dense_checkpoint)
+    prompts = make_prompts(block_size, vocab_size, stops | {mask_id}, seed=24)
+    params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True,
+                            extra_args={"strategy": "threshold", "threshold": 0.7})
+    with pytest.raises(Exception, match="commit='delayed' leaves committed KV approximate"):
+        with diffusion_llm(dense_checkpoint, diffusion_block_size=block_size,
+                           additional_config={"diffusion_policy": "focus", "commit": "delayed"}):
+            pass
+    computed = {}
+    for commit in ("exact", "delayed"):
+        with diffusion_llm(dense_checkpoint, diffusion_block_size=block_size,
+                           enable_prefix_caching=False,
+                           additional_config={"diffusion_policy": "focus", "commit": commit}) as llm:
+            outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params,
+                                   use_tqdm=False)
+            stats = llm.collective_rpc("diffusion_stats")[0]
+        assert all(len(o.outputs[0].token_ids) == 48 for o in outputs)
+        computed[commit] = stats["positions_computed"] - stats["block_positions_computed"]
+    # Prefill/commit rows: the delayed commit skips frozen positions of completed blocks.
+    assert computed["delayed"] < computed["exact"]

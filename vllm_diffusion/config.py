@@ -64,6 +64,11 @@ class DiffusionEngineConfig:
             )
         config = parse_options(self.policy.config_cls, overrides, source=source,
                                base=self.policy_config)
+        for name in getattr(self.policy.config_cls, "engine_only", ()):
+            if getattr(config, name) != getattr(self.policy_config, name):
+                raise OptionError(
+                    f"{source}: option '{name}' is engine-wide (set it at start-up); the "
+                    f"server uses {getattr(self.policy_config, name)!r}")
         config.validate_for_block(self.block_size, source)
         return config
 

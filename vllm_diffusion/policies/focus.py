@@ -10,8 +10,9 @@ positions. With ``evict=False`` and ``intra_block_cache=False`` every step compu
 whole block and FOCUS decodes exactly like ``standard``.
 
 Commit of a completed block: ``exact`` re-encodes the decoded block in the next step (its
-committed KV equals a clean forward). The paper's ``delayed`` commit (recompute only the
-positions the intra-block cache has not frozen) is not implemented yet.
+committed KV equals a clean forward); ``delayed`` recomputes only the positions the
+intra-block cache has not frozen (those decoded at the block's last steps), as the
+paper's implementation does, and keeps the frozen positions' KV.
 """
 
 from __future__ import annotations
@@ -28,13 +29,16 @@ from vllm_diffusion.policies.standard import STRATEGIES, StandardPolicyConfig, c
 
 @dataclasses.dataclass(frozen=True)
 class FocusPolicyConfig(StandardPolicyConfig):
+    # Options a request may not change: committed KV is shared through the prefix cache.
+    engine_only: ClassVar[tuple[str, ...]] = ("commit",)
+
     strategy: str = option("threshold", Rule(str, choices=STRATEGIES))
     threshold: float = option(0.8, Rule(float, low=0.0, high=1.0))  # the paper's setting
     alpha: float = option(1.5, Rule(float, low=1.0, high=64.0))
     pool_kernel: int = option(3, Rule(int, low=1, high=15))
     evict: bool = option(True, Rule(bool))
     intra_block_cache: bool = option(True, Rule(bool))
-    commit: str = option("exact", Rule(str, choices=("exact",)))
+    commit: str = option("exact", Rule(str, choices=("exact", "delayed")))
 
     def validate_for_block(self, block_size: int, source: str) -> None:
         super().validate_for_block(block_size, source)
@@ -65,6 +69,13 @@ class FocusRequestState:
     def mean_decoded(self) -> float:
         """Running mean of tokens decoded per step (1 before the first step)."""
         return self.decoded_tokens / self.decoded_steps if self.decoded_steps else 1.0
+
+    def commit_positions(self, num_computed: int, config: FocusPolicyConfig) -> torch.Tensor | None:
+        """[B] bool: positions of the completed block starting at ``num_computed`` to
+        recompute when committing it (None: all, the exact commit)."""
+        if config.commit != "delayed" or self.block_start != num_computed or self.cache is None:
+            return None
+        return self.cache.uncached.clone()
 
     def processing_set(self, config: FocusPolicyConfig) -> torch.Tensor:
         """[B] bool: the block positions computed this step."""

@@ -104,10 +104,12 @@ class DiffusionRunnerMixin:
         policy_config = (canvas.policy_config if canvas is not None else
                          self.diffusion.request_policy_config(
                              state.sampling_params.extra_args))
-        processing = None
+        processing = commit_positions = None
         if self.focus:
             focus_state = self.focus_states.setdefault(
                 req_id, FocusRequestState(self.diffusion.block_size))
+            commit_positions = focus_state.commit_positions(
+                state.num_computed_tokens, policy_config)
 
             def processing(block: BlockCanvas) -> torch.Tensor:
                 focus_state.start_block(block.start)
@@ -117,7 +119,7 @@ class DiffusionRunnerMixin:
             req_id, list(state.prompt_token_ids) + state.output_token_ids,
             state.num_computed_tokens, scheduler_output.num_scheduled_tokens[req_id],
             self.diffusion.block_size, self.diffusion.mask_token_id, canvas, policy_config,
-            processing)
+            processing, commit_positions)
         if plan.canvas is not None:
             self.block_canvases[req_id] = plan.canvas
         return plan

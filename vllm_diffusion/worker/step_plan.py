@@ -41,10 +41,12 @@ class RequestRows:
 def plan_request(req_id: str, token_ids: list[int], num_computed: int,
                  num_scheduled: int, block_size: int, mask_token_id: int,
                  canvas: BlockCanvas | None, policy_config: object,
-                 processing=None) -> RequestRows:
+                 processing=None, commit_positions: torch.Tensor | None = None) -> RequestRows:
     """Rows of one request for this step; creates or reuses the request's canvas.
 
     ``processing(canvas) -> [B] bool`` picks the block positions to compute (default: all).
+    ``commit_positions``: [B] bool; when the step commits exactly one completed block, only
+    these of its positions are recomputed (the others keep their cached KV).
     """
     if num_computed % block_size:
         raise RuntimeError(
@@ -65,9 +67,12 @@ def plan_request(req_id: str, token_ids: list[int], num_computed: int,
     block_end = block_start + block_size
     computed = (torch.arange(block_size) if processing is None
                 else torch.nonzero(processing(canvas)).flatten())
+    commit = list(range(num_computed, block_start))
+    if commit_positions is not None and len(commit) == block_size:
+        commit = [p for p, keep in zip(commit, commit_positions.tolist()) if keep]
     return RequestRows(
-        req_id, list(range(num_computed, block_start)) + (computed + block_start).tolist(),
-        token_ids[num_computed:block_start] + canvas.tokens[computed].tolist(), block_end,
+        req_id, commit + (computed + block_start).tolist(),
+        [token_ids[p] for p in commit] + canvas.tokens[computed].tolist(), block_end,
         canvas, computed)
 
 
