@@ -102,3 +102,30 @@ def test_delayed_commit_recomputes_only_unfrozen_positions(dense_checkpoint):
         computed[commit] = stats["positions_computed"] - stats["block_positions_computed"]
     # Prefill/commit rows: the delayed commit skips frozen positions of completed blocks.
     assert computed["delayed"] < computed["exact"]
+
+
+@pytest.mark.parametrize("block_size", [8, 16])
+def test_focus_with_eviction_equals_the_plain_torch_focus_reference(block_size, dense_checkpoint):
+    from reference_focus import reference_focus_generate
+
+    from vllm_diffusion.policies.focus import FocusPolicyConfig
+
+    mask_id, stops, vocab_size = checkpoint_info(dense_checkpoint)
+    reference = ReferenceSDAR(dense_checkpoint)
+    prompts = make_prompts(block_size, vocab_size, stops | {mask_id}, seed=30 + block_size)
+    options = {"strategy": "threshold", "threshold": 0.7, "alpha": 1.5}
+    with diffusion_llm(dense_checkpoint, diffusion_block_size=block_size,
+                       additional_config={"diffusion_policy": "focus"}) as llm:
+        before = llm.collective_rpc("diffusion_stats")[0]
+        outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts],
+                               SamplingParams(temperature=0, max_tokens=3 * block_size,
+                                              ignore_eos=True, extra_args=options),
+                               use_tqdm=False)
+        after = llm.collective_rpc("diffusion_stats")[0]
+    assert (after["block_positions_after_eviction"] - before["block_positions_after_eviction"]
+            < after["block_positions_computed"] - before["block_positions_computed"])
+    config = FocusPolicyConfig(strategy="threshold", threshold=0.7, alpha=1.5)
+    for prompt, out in zip(prompts, outputs):
+        want = reference_focus_generate(reference, prompt, block_size=block_size, mask_id=mask_id,
+                                        max_tokens=3 * block_size, config=config)
+        assert list(out.outputs[0].token_ids) == want

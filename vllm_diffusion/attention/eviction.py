@@ -4,8 +4,10 @@ One ``EvictionStep`` travels with a step's attention metadata. Layer 0's and lay
 attention report the candidates' importance (the ``ImportanceProbe``); after layer 1 has
 stored the keys/values of every processed row, ``select`` asks each request's FOCUS state
 for its retained block positions and compacts the shared metadata to the kept rows, so
-layer 1's attention and every later layer run only on them. Two forward pre-hooks finish
-the compaction of the model's own tensors:
+layer 1's attention and every later layer run only on them. An evicting request's keys
+are then cut after its rightmost retained position (FOCUS): positions left of it have KV
+at every layer (placeholder integrity), positions right of it may not. Two forward
+pre-hooks finish the compaction of the model's own tensors:
 
 - before layer 1's ``post_attention_layernorm``: hidden states and residual;
 - before each layer from 2 on: the positions (for RoPE).
@@ -33,6 +35,7 @@ class RequestEviction:
 
     state: object  # FocusRequestState
     config: object  # FocusPolicyConfig
+    block_start: int
     block_rows: torch.Tensor  # [n] query rows of the processed block positions, ascending
     processing: torch.Tensor  # [B] bool, block positions computed this step
     candidates: torch.Tensor  # [B] bool, masked positions (all processed)
@@ -60,6 +63,9 @@ class EvictionStep:
                 delta, request.candidates, request.processing, request.config)
             processed_positions = torch.nonzero(request.processing).flatten()
             keep[request.block_rows.cpu()] = request.retained[processed_positions]
+            if not torch.equal(request.retained, request.processing):
+                rightmost = int(torch.nonzero(request.retained).max())
+                metadata.kv_lens[index] = request.block_start + rightmost + 1
         if bool(keep.all()):
             return
         self.keep_rows = torch.nonzero(keep).flatten().to(metadata.query_positions.device)

@@ -57,7 +57,9 @@ class FocusRequestState:
     decoded_tokens: int = 0
     block_start: int = -1
     cache: IntraBlockCache | None = None
-    ever_processed: torch.Tensor | None = None  # [B] bool
+    # [B] bool: positions that went through every layer at some step of this block (so
+    # their KV is valid at all layers)
+    ever_processed: torch.Tensor | None = None
 
     def start_block(self, block_start: int) -> None:
         if block_start != self.block_start:
@@ -93,10 +95,11 @@ class FocusRequestState:
             return processing.clone()
         return select_retained(delta, candidates, budget, processing, self.ever_processed)
 
-    def after_step(self, masked_before: torch.Tensor, processing: torch.Tensor,
+    def after_step(self, masked_before: torch.Tensor, retained: torch.Tensor,
                    num_decoded: int) -> None:
+        """retained: [B] bool, the positions that went through every layer this step."""
         self.cache.update(masked_before)
-        self.ever_processed |= processing
+        self.ever_processed |= retained
         self.decoded_steps += 1
         self.decoded_tokens += num_decoded
 

@@ -45,7 +45,7 @@ def eviction_step(rows: list[RequestRows], states: dict[str, FocusRequestState],
         processing[r.block_positions] = True
         config = r.canvas.policy_config
         requests.append(RequestEviction(
-            state=states[r.req_id], config=config,
+            state=states[r.req_id], config=config, block_start=r.canvas.start,
             block_rows=torch.arange(start, start + len(r.block_positions)),
             processing=processing, candidates=r.canvas.tokens == mask_token_id))
     return EvictionStep(requests, probe, sum(len(r.positions) for r in rows))

@@ -197,9 +197,7 @@ class DiffusionRunnerMixin:
             canvas.tokens[commit] = proposals[commit]
             canvas.steps += 1
             if self.focus:
-                processing = torch.zeros(block, dtype=torch.bool)
-                processing[r.block_positions] = True
-                self.focus_states[r.req_id].after_step(masked, processing, int(commit.sum()))
+                self.focus_states[r.req_id].after_step(masked, eligible, int(commit.sum()))
             final = truncate_at_stop(
                 emit_final_tokens(canvas, len(state.prompt_token_ids)
                                   + len(state.output_token_ids), mask_id),
