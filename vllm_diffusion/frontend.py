@@ -111,6 +111,7 @@ def _serves_diffusion_model(vllm_config: Any) -> bool:
 
 def _install_diffusion_metric_names() -> None:
     from vllm.v1.metrics import loggers
+    from vllm.v1.metrics.utils import create_metric_per_engine
     from vllm.v1.spec_decode.metrics import SpecDecodingLogging
 
     if getattr(loggers.LoggingStatLogger, _INSTALLED_FLAG, False):
@@ -128,9 +129,25 @@ def _install_diffusion_metric_names() -> None:
         prometheus_init(self, vllm_config, *args, **kwargs)
         if _serves_diffusion_model(vllm_config):
             # vLLM 0.32 labels every per-engine metric with ["model_name", "engine"].
-            self.spec_decoding_prom = self._spec_decoding_cls(
-                None, ["model_name", "engine"], self.per_engine_labelvalues,
-                is_diffusion=True)
+            labelnames = ["model_name", "engine"]
+            prom = self._spec_decoding_cls(None, labelnames, self.per_engine_labelvalues,
+                                           is_diffusion=True)
+            later_layers = create_metric_per_engine(
+                prom._counter_cls(
+                    name="vllm:diffusion_num_positions_after_eviction",
+                    documentation="Block positions computed by the layers after the "
+                                  "policy's eviction point (layers 2+; equal to the canvas "
+                                  "positions when nothing is evicted).",
+                    labelnames=labelnames),
+                self.per_engine_labelvalues)
+            observe = prom.observe
+
+            def observe_with_later_layers(stats, engine_idx: int = 0):
+                observe(stats, engine_idx)
+                later_layers[engine_idx].inc(sum(stats.num_draft_tokens_per_pos))
+
+            prom.observe = observe_with_later_layers
+            self.spec_decoding_prom = prom
 
     loggers.LoggingStatLogger.__init__ = logging_stat_logger_init
     loggers.PrometheusStatLogger.__init__ = prometheus_stat_logger_init

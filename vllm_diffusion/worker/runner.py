@@ -89,14 +89,22 @@ class DiffusionRunnerMixin:
         probe = eviction.probe if eviction is not None else (
             ImportanceProbe(candidate_rows(rows, mask_id, device))
             if self.importance_records is not None else None)
+        stats = self.diffusion_stats
+        before = (stats.block_positions_computed, stats.block_positions_after_eviction)
         hidden_states = self._forward(rows, probe, eviction)
         sampled = self._denoise(rows, hidden_states, probe, eviction)
-        self.diffusion_stats.engine_steps += 1
-        return ModelRunnerOutput(
+        stats.engine_steps += 1
+        output = ModelRunnerOutput(
             req_ids=req_ids,
             req_id_to_index={r: i for i, r in enumerate(req_ids)},
             sampled_token_ids=sampled,
         )
+        # This step's block positions through layers 0-1 and through the later layers, for
+        # the scheduler's metrics (an attribute: ModelRunnerOutput has no field for it).
+        output.diffusion_block_positions = (
+            stats.block_positions_computed - before[0],
+            stats.block_positions_after_eviction - before[1])
+        return output
 
     def _plan(self, req_id: str, scheduler_output: Any) -> RequestRows:
         state = self.requests[req_id]

@@ -102,15 +102,19 @@ class BlockDiffusionScheduler(Scheduler):
     def _diffusion_step_stats(self, scheduler_output: SchedulerOutput,
                               model_runner_output: Any) -> SpecDecodingStats:
         """This step's work, in the counters vLLM reports for diffusion models:
-        denoising steps (one per denoised block), canvas positions evaluated, and
-        committed (final) tokens."""
+        denoising steps (one per denoised block), canvas positions evaluated (block
+        positions through layers 0-1), and committed (final) tokens; the positions that
+        reach the later layers (fewer when a policy evicts) ride in the per-position list.
+        """
         denoised = [r for r in scheduler_output.num_scheduled_tokens if r in self._denoised]
         self._denoised.clear()
         committed = sum(len(t) for t in (model_runner_output.sampled_token_ids or []))
+        positions = getattr(model_runner_output, "diffusion_block_positions", None)
+        if positions is None:  # e.g. an empty step
+            positions = (len(denoised) * self.diffusion_block_size,) * 2
         return SpecDecodingStats(
-            num_spec_tokens=0, num_drafts=len(denoised),
-            num_draft_tokens=len(denoised) * self.diffusion_block_size,
-            num_accepted_tokens=committed)
+            num_spec_tokens=0, num_drafts=len(denoised), num_draft_tokens=positions[0],
+            num_accepted_tokens=committed, num_draft_tokens_per_pos=[positions[1]])
 
     def make_stats(self, spec_decoding_stats: SpecDecodingStats | None = None, *args: Any,
                    **kwargs: Any):
