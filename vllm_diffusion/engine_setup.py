@@ -98,6 +98,15 @@ class DiffusionModelConfigHook(VerifyAndUpdateConfig):
                 f"block-diffusion model; leave it unset")
         scheduler_config.scheduler_cls = SCHEDULER_CLS
         scheduler_config.async_scheduling = False
+        # A step commits one block and denoises the next for every running request.
+        needed = 2 * block * scheduler_config.max_num_seqs
+        if scheduler_config.max_num_batched_tokens < needed:
+            logger.info("vllm-diffusion: raising max_num_batched_tokens from %d to %d "
+                        "(2 * diffusion block size * max_num_seqs)",
+                        scheduler_config.max_num_batched_tokens, needed)
+            scheduler_config.max_num_batched_tokens = needed
+        if (scheduler_config.max_num_scheduled_tokens or needed) < needed:
+            scheduler_config.max_num_scheduled_tokens = needed
 
         if not model_config.enforce_eager:
             logger.info("vllm-diffusion: running eagerly (graph capture of denoising "
