@@ -9,12 +9,10 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
+from kernel_harness import kernel_errors
 
 from vllm_diffusion.attention.block_attention import block_causal_attention
 
@@ -72,12 +70,7 @@ def max_errors(device: str) -> dict[str, float]:
 
 @pytest.fixture(scope="module")
 def errors() -> dict[str, float]:
-    if torch.cuda.is_available():
-        return max_errors("cuda")
-    result = subprocess.run([sys.executable, __file__], capture_output=True, text=True,
-                            timeout=600, env={**os.environ, "TRITON_INTERPRET": "1"})
-    assert result.returncode == 0, result.stderr[-3000:]
-    return json.loads(result.stdout.strip().splitlines()[-1])
+    return kernel_errors(__file__, max_errors)
 
 
 @pytest.mark.parametrize("name", GRID)

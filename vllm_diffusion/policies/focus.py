@@ -24,7 +24,7 @@ import torch
 
 from vllm_diffusion.options import Rule, option
 from vllm_diffusion.policies.focus_selection import IntraBlockCache, select_retained, token_budget
-from vllm_diffusion.policies.standard import STRATEGIES, StandardPolicyConfig, choose_commits
+from vllm_diffusion.policies.standard import STRATEGIES, StandardPolicy, StandardPolicyConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,12 +104,8 @@ class FocusRequestState:
         self.decoded_tokens += num_decoded
 
 
-class FocusPolicy:
+class FocusPolicy(StandardPolicy):
+    """Unmasks like ``standard``; the runner passes only retained positions as masked."""
+
     name: ClassVar[str] = "focus"
     config_cls: ClassVar[type] = FocusPolicyConfig
-
-    @staticmethod
-    def choose_commits(confidence: torch.Tensor, masked: torch.Tensor, step: int,
-                       block_size: int, config: FocusPolicyConfig) -> torch.Tensor:
-        """``masked`` is already restricted to retained positions by the runner."""
-        return choose_commits(confidence, masked, step, block_size, config)
