@@ -32,12 +32,11 @@ def run_cell(llm, prompts: list[str], max_tokens: int, options: dict) -> dict:
     wall = time.perf_counter() - start
     stats = stats_delta(before, llm.collective_rpc("diffusion_stats")[0])
     tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
-    committed = max(stats["tokens_committed"], 1)
     return {"requests": len(prompts), "output_tokens": tokens, "wall_time_s": round(wall, 3),
             "output_tokens_per_s": tokens / wall,
-            "block_positions_per_token_layers_0_1": stats["block_positions_computed"] / committed,
+            "block_positions_per_token_layers_0_1": stats["block_positions_per_committed_token"],
             "block_positions_per_token_later_layers":
-                stats["block_positions_after_eviction"] / committed,
+                stats["later_layer_positions_per_committed_token"],
             "denoising_steps": stats["denoising_steps"],
             "tokens_committed_per_denoising_step": stats["tokens_committed_per_denoising_step"],
             "texts": [o.outputs[0].text for o in outputs]}

@@ -42,6 +42,9 @@ def stats_delta(before: dict[str, int], after: dict[str, int]) -> dict[str, floa
     stats["denoising_steps_per_block"] = stats["denoising_steps"] / max(stats["blocks_completed"], 1)
     stats["tokens_committed_per_denoising_step"] = (
         stats["tokens_committed"] / max(stats["denoising_steps"], 1))
-    stats["block_positions_per_committed_token"] = (
-        stats["block_positions_computed"] / max(stats["tokens_committed"], 1))
+    committed = max(stats["tokens_committed"], 1)
+    stats["block_positions_per_committed_token"] = stats["block_positions_computed"] / committed
+    # The same through the layers after a policy's eviction point (layers 2+ for FOCUS).
+    stats["later_layer_positions_per_committed_token"] = (
+        stats["block_positions_after_eviction"] / committed)
     return stats

@@ -24,7 +24,7 @@ INSTRUCTION_FAMILIES = tuple(f for f in CHECKED_FAMILIES if f != "arithmetic")
 
 
 def evaluate(llm: Any, examples: list, options: dict[str, Any], max_tokens: int) -> dict:
-    """Accuracy per family and the work done, for one option set on an open engine."""
+    """Accuracy per family and the work done, for per-request options on an open engine."""
     from vllm import SamplingParams
 
     from vllm_diffusion.offline import stats_delta
@@ -33,9 +33,7 @@ def evaluate(llm: Any, examples: list, options: dict[str, Any], max_tokens: int)
     prompts = [tokenizer.apply_chat_template([{"role": "user", "content": e.prompt}],
                                              tokenize=False, add_generation_prompt=True)
                for e in examples]
-    policy_options = {k: v for k, v in options.items() if k != "diffusion_policy"}
-    params = SamplingParams(temperature=0, max_tokens=max_tokens,
-                            extra_args=policy_options or None)
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, extra_args=options or None)
     before = llm.collective_rpc("diffusion_stats")[0]
     start = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=False)
@@ -54,6 +52,8 @@ def evaluate(llm: Any, examples: list, options: dict[str, Any], max_tokens: int)
         "output_tokens": sum(len(o.outputs[0].token_ids) for o in outputs),
         "tokens_committed_per_denoising_step": stats["tokens_committed_per_denoising_step"],
         "block_positions_per_committed_token": stats["block_positions_per_committed_token"],
+        "later_layer_positions_per_committed_token":
+            stats["later_layer_positions_per_committed_token"],
         "denoising_steps_per_block": stats["denoising_steps_per_block"],
         "wall_time_s": round(wall, 3),
         "samples": [{"prompt": e.prompt, "expected": e.answer, "got": o.outputs[0].text}
@@ -61,23 +61,38 @@ def evaluate(llm: Any, examples: list, options: dict[str, Any], max_tokens: int)
     }
 
 
+def engine_options(options: dict[str, Any]) -> dict[str, Any]:
+    """The options of a set that only an engine can take (policy, engine-wide options)."""
+    from vllm_diffusion.policies import POLICIES
+
+    policy = POLICIES[options.get("diffusion_policy", "standard")]
+    engine_only = ("diffusion_policy", *getattr(policy.config_cls, "engine_only", ()))
+    return {"diffusion_policy": policy.name,
+            **{k: v for k, v in options.items() if k in engine_only}}
+
+
 def run(model: str, block_sizes: list[int], option_sets: list[dict[str, Any]],
         per_family: int, max_tokens: int = 128) -> list[dict]:
     from vllm_diffusion.offline import diffusion_llm
 
     examples = eval_examples(per_family)
-    policies = sorted({o.get("diffusion_policy", "standard") for o in option_sets})
+    engines: list[dict[str, Any]] = []
+    for options in option_sets:
+        if engine_options(options) not in engines:
+            engines.append(engine_options(options))
     runs = []
     for block_size in block_sizes:
-        for policy in policies:
+        for engine in engines:
+            delayed = engine.get("commit") == "delayed"  # approximate KV: no prefix cache
             with diffusion_llm(model, diffusion_block_size=block_size, max_model_len=1024,
-                               max_num_seqs=32,
-                               additional_config={"diffusion_policy": policy}) as llm:
+                               max_num_seqs=32, enable_prefix_caching=not delayed,
+                               additional_config=engine) as llm:
                 for options in option_sets:
-                    if options.get("diffusion_policy", "standard") != policy:
+                    if engine_options(options) != engine:
                         continue
-                    result = evaluate(llm, examples, options, max_tokens)
-                    runs.append({"block_size": block_size, "policy": policy,
+                    request_options = {k: v for k, v in options.items() if k not in engine}
+                    result = evaluate(llm, examples, request_options, max_tokens)
+                    runs.append({"block_size": block_size, "policy": engine["diffusion_policy"],
                                  "options": options, **result})
     return runs
 
@@ -107,6 +122,7 @@ def main() -> None:
               + ", ".join(f"{f} {a:.2f}" for f, a in r["accuracy"].items())
               + f" | tokens/step {r['tokens_committed_per_denoising_step']:.2f}"
               f" | positions/token {r['block_positions_per_committed_token']:.2f}"
+              f" (later layers {r['later_layer_positions_per_committed_token']:.2f})"
               f" | {r['wall_time_s']:.1f}s")
 
 
