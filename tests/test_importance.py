@@ -55,6 +55,23 @@ def test_importance_matches_naive_loop(shape):
     assert got.sum().item() == pytest.approx(heads * n, rel=1e-5)  # each query row sums to 1
 
 
+def test_batched_importance_equals_per_request_importance():
+    from vllm_diffusion.attention.importance import batched_candidate_importance
+
+    gen = torch.Generator().manual_seed(7)
+    query, key = torch.randn(60, 4, 16, generator=gen), torch.randn(60, 2, 16, generator=gen)
+    rows = [torch.tensor([1, 4, 5, 9]), None, torch.arange(20, 52), torch.tensor([55]),
+            torch.arange(10, 17)]
+    kernels = [3, 3, 5, 3, 1]
+    got = batched_candidate_importance(query, key, rows, 0.25, kernels)
+    for r, kernel, value in zip(rows, kernels, got):
+        if r is None:
+            assert value is None
+            continue
+        torch.testing.assert_close(value, candidate_importance(query[r], key[r], 0.25, kernel),
+                                   rtol=1e-5, atol=1e-5)
+
+
 def test_engine_records_the_reference_importance_delta(dense_checkpoint):
     block_size = 8
     mask_id, _, _ = checkpoint_info(dense_checkpoint)

@@ -1,0 +1,88 @@
+"""How much of a FOCUS step goes to FOCUS itself (importance, selection, compaction)?
+
+Times, inside one FOCUS run, the importance computation at layers 0/1, the selection of
+the retained set (budget, constraints, metadata compaction) and the compaction hooks,
+against the wall time of the whole run. The paper reports about 1% of step latency on
+GPUs with billion-parameter models; on this project's tiny CPU models the model's own
+compute is small, so the share here is an upper bound of what larger models would see.
+
+    python benchmarks/focus_overhead.py [--model DIR] [--block-size 32] [--batch-size 32]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import functools
+import json
+import pathlib
+import time
+
+
+def timed(totals: collections.Counter, name: str, fn):
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            totals[name] += time.perf_counter() - start
+    return wrapper
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=None)
+    parser.add_argument("--block-size", type=int, default=32)
+    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--max-tokens", type=int, default=96)
+    parser.add_argument("--out", default="results/focus_overhead.json")
+    args = parser.parse_args()
+
+    from vllm import SamplingParams
+
+    from vllm_diffusion.attention import eviction, importance
+    from vllm_diffusion.default_model import default_model_path
+    from vllm_diffusion.offline import diffusion_llm
+    from vllm_diffusion.quality.corpus import eval_examples
+
+    totals: collections.Counter = collections.Counter()
+    importance.ImportanceProbe.observe = timed(totals, "importance",
+                                               importance.ImportanceProbe.observe)
+    eviction.EvictionStep.select = timed(totals, "selection_and_metadata_compaction",
+                                         eviction.EvictionStep.select)
+    eviction._compact_hidden_and_residual = timed(totals, "hidden_state_compaction",
+                                                  eviction._compact_hidden_and_residual)
+    eviction._compact_positions = timed(totals, "position_compaction",
+                                        eviction._compact_positions)
+    model = str(args.model or default_model_path())
+    with diffusion_llm(model, diffusion_block_size=args.block_size, max_model_len=1024,
+                       max_num_seqs=args.batch_size,
+                       additional_config={"diffusion_policy": "focus"}) as llm:
+        tokenizer = llm.get_tokenizer()
+        prompts = [tokenizer.apply_chat_template([{"role": "user", "content": e.prompt}],
+                                                 tokenize=False, add_generation_prompt=True)
+                   for e in eval_examples(args.batch_size // 7 + 1)][:args.batch_size]
+        params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
+        llm.generate(prompts[:2], params, use_tqdm=False)  # warm-up
+        totals.clear()
+        steps = llm.collective_rpc("diffusion_stats")[0]["engine_steps"]
+        start = time.perf_counter()
+        llm.generate(prompts, params, use_tqdm=False)
+        wall = time.perf_counter() - start
+        steps = llm.collective_rpc("diffusion_stats")[0]["engine_steps"] - steps
+    focus_total = sum(totals.values())
+    report = {"model": model, "block_size": args.block_size, "batch_size": args.batch_size,
+              "engine_steps": steps, "wall_time_s": round(wall, 3),
+              "seconds": {k: round(v, 4) for k, v in totals.items()},
+              "focus_share_of_wall_time": focus_total / wall,
+              "focus_ms_per_step": 1000 * focus_total / max(steps, 1),
+              "step_ms": 1000 * wall / max(steps, 1)}
+    out = pathlib.Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2) + "\n")
+    print(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()
