@@ -85,6 +85,26 @@ def importance_kernel(device: torch.device):
     return batched_candidate_importance
 
 
+def reduce_over_tensor_parallel_heads(scores: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
+    """Sum the per-rank head sums across tensor-parallel ranks (each rank holds a slice of
+    the heads), so that every rank selects the same positions. A no-op without TP."""
+    from vllm.distributed import (get_tensor_model_parallel_world_size,
+                                  tensor_model_parallel_all_reduce)
+
+    present = [s for s in scores if s is not None]
+    if not present or get_tensor_model_parallel_world_size() == 1:
+        return scores
+    total = tensor_model_parallel_all_reduce(torch.cat(present))
+    out, offset = [], 0
+    for s in scores:
+        if s is None:
+            out.append(None)
+            continue
+        out.append(total[offset:offset + len(s)])
+        offset += len(s)
+    return out
+
+
 _LAYER_INDEX = re.compile(r"layers\.(\d+)\.")
 
 
@@ -112,8 +132,8 @@ class ImportanceProbe:
         if index not in IMPORTANCE_LAYERS:
             return
         kernels = self.pool_kernels or [3] * len(self.rows)
-        self.scores[index] = importance_kernel(query.device)(query, key, self.rows, scale,
-                                                             kernels)
+        scores = importance_kernel(query.device)(query, key, self.rows, scale, kernels)
+        self.scores[index] = reduce_over_tensor_parallel_heads(scores)
 
     def delta(self, request: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(I(layer 1) - I(layer 0), I(layer 1)) of one request's candidates."""

