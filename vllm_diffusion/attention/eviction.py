@@ -25,6 +25,7 @@ import torch.nn as nn
 from vllm.forward_context import get_forward_context, is_forward_context_available
 
 from vllm_diffusion.attention.importance import ImportanceProbe
+from vllm_diffusion.policies.focus_selection import selection_kernel
 
 EVICTION_LAYER = 1
 
@@ -52,6 +53,7 @@ class EvictionStep:
     def select(self, metadata) -> None:
         """Choose the retained positions of every request and compact ``metadata``."""
         keep = torch.ones(self.num_rows, dtype=torch.bool)
+        evicting, deltas, budgets = [], [], []
         for index, request in enumerate(self.requests):
             if request is None:
                 continue
@@ -59,8 +61,25 @@ class EvictionStep:
             scores = self.probe.delta(index)
             if scores is not None:
                 delta[request.candidates] = scores[0].cpu()
-            request.retained = request.state.retained(
-                delta, request.candidates, request.processing, request.config)
+            budget = request.state.budget(delta, request.candidates, request.config)
+            request.retained = request.processing.clone()
+            if budget is not None:
+                evicting.append(request)
+                deltas.append(delta)
+                budgets.append(budget)
+        if evicting:
+            device = metadata.query_positions.device
+            retained = selection_kernel(device)(
+                torch.stack(deltas).to(device),
+                torch.stack([r.candidates for r in evicting]).to(device),
+                torch.tensor(budgets, device=device),
+                torch.stack([r.processing for r in evicting]).to(device),
+                torch.stack([r.state.ever_processed for r in evicting]).to(device)).cpu()
+            for request, kept in zip(evicting, retained):
+                request.retained = kept
+        for index, request in enumerate(self.requests):
+            if request is None:
+                continue
             processed_positions = torch.nonzero(request.processing).flatten()
             keep[request.block_rows.cpu()] = request.retained[processed_positions]
             if not torch.equal(request.retained, request.processing):

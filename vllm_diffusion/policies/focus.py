@@ -85,13 +85,19 @@ class FocusRequestState:
             return torch.ones(self.block_size, dtype=torch.bool)
         return self.cache.processing_set()
 
+    def budget(self, delta: torch.Tensor, candidates: torch.Tensor,
+               config: FocusPolicyConfig) -> int | None:
+        """K for this step, or None when nothing is evicted. delta: [B] (read at candidates)."""
+        if not config.evict or not bool(candidates.any()):
+            return None
+        budget = token_budget(delta[candidates], self.mean_decoded, config.alpha, self.block_size)
+        return budget if budget < int(candidates.sum()) else None
+
     def retained(self, delta: torch.Tensor, candidates: torch.Tensor, processing: torch.Tensor,
                  config: FocusPolicyConfig) -> torch.Tensor:
-        """[B] bool: positions kept after layer 1. delta: [B] (read at candidates)."""
-        if not config.evict or not bool(candidates.any()):
-            return processing.clone()
-        budget = token_budget(delta[candidates], self.mean_decoded, config.alpha, self.block_size)
-        if budget >= int(candidates.sum()):
+        """[B] bool: positions kept after layer 1 (the engine batches this over requests)."""
+        budget = self.budget(delta, candidates, config)
+        if budget is None:
             return processing.clone()
         return select_retained(delta, candidates, budget, processing, self.ever_processed)
 

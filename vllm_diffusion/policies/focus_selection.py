@@ -91,3 +91,20 @@ class IntraBlockCache:
         right_decoded[:-1] = decoded[1:]
         self.uncached &= ~(decoded & right_decoded)
         self.warm = True
+
+
+def batched_select_retained(delta: torch.Tensor, candidates: torch.Tensor,
+                            budgets: torch.Tensor, processing: torch.Tensor,
+                            ever_processed: torch.Tensor) -> torch.Tensor:
+    """``select_retained`` for R requests at once; all arguments [R, B] except budgets [R]."""
+    return torch.stack([select_retained(d, c, int(k), p, e) for d, c, k, p, e in
+                        zip(delta, candidates, budgets, processing, ever_processed)])
+
+
+def selection_kernel(device: torch.device):
+    """The batched selection implementation for tensors on ``device``."""
+    if device.type == "cuda":
+        from vllm_diffusion.policies import triton_focus_selection
+
+        return triton_focus_selection.batched_select_retained
+    return batched_select_retained
