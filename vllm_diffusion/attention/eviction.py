@@ -24,6 +24,7 @@ import torch.nn as nn
 
 from vllm.forward_context import get_forward_context, is_forward_context_available
 
+from vllm_diffusion.attention.compaction import compaction_kernel
 from vllm_diffusion.attention.importance import ImportanceProbe
 from vllm_diffusion.policies.focus_selection import selection_kernel
 
@@ -105,7 +106,9 @@ def _compact_hidden_and_residual(module: nn.Module, args: tuple):
     step = _current_eviction()
     if step is None or args[0].shape[0] != step.num_rows:
         return None
-    return tuple(a[step.keep_rows] if a is not None else None for a in args)
+    hidden, residual = args[0], args[1] if len(args) > 1 else None
+    hidden, residual = compaction_kernel(hidden.device)(hidden, residual, step.keep_rows)
+    return (hidden, residual, *args[2:]) if len(args) > 1 else (hidden,)
 
 
 def _compact_positions(module: nn.Module, args: tuple):
