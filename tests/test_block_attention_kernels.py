@@ -73,6 +73,17 @@ def errors() -> dict[str, float]:
     return kernel_errors(__file__, max_errors)
 
 
+@pytest.mark.parametrize("case", GRID.values(), ids=GRID.keys())
+def test_padded_torch_attention_matches_reference(case):
+    from vllm_diffusion.attention.block_attention import padded_block_causal_attention
+
+    args = make_case(*case, device="cpu")
+    tolerance = 2e-2 if case[7] == torch.bfloat16 else 1e-5
+    torch.testing.assert_close(padded_block_causal_attention(*args).float(),
+                               block_causal_attention(*args).float(),
+                               rtol=tolerance, atol=tolerance)
+
+
 @pytest.mark.parametrize("name", GRID)
 def test_triton_kernel_matches_torch_reference(errors, name):
     tolerance = 2e-2 if GRID[name][7] == torch.bfloat16 else 1e-4

@@ -3,7 +3,8 @@
 The diffusion runner builds ``BlockDiffusionMetadata`` itself for every step (one object
 shared by all layers); the backend stores this step's keys/values at the given slots and
 runs block-causal attention over each request's paged KV: the Triton kernel on CUDA, the
-torch reference (``block_attention``) elsewhere; both have the same signature.
+vectorised torch version elsewhere; both have the signature of the torch reference
+(``block_attention.block_causal_attention``) and are tested against it.
 """
 
 from __future__ import annotations
@@ -57,7 +58,7 @@ def attention_kernel(device: torch.device):
         from vllm_diffusion.attention import triton_block_attention
 
         return triton_block_attention.block_causal_attention
-    return block_attention.block_causal_attention
+    return block_attention.padded_block_causal_attention
 
 
 class BlockDiffusionAttentionBackend(AttentionBackend):

@@ -76,3 +76,47 @@ def block_causal_attention(query: torch.Tensor, kv_cache: torch.Tensor,
             values.transpose(0, 1), attn_mask=visible, scale=scale)
         output[start:end] = out.transpose(0, 1)
     return output
+
+
+def padded_block_causal_attention(query: torch.Tensor, kv_cache: torch.Tensor,
+                                  query_positions: torch.Tensor, query_start_loc: list[int],
+                                  kv_lens: list[int], block_table: torch.Tensor,
+                                  diffusion_block_size: int, scale: float) -> torch.Tensor:
+    """``block_causal_attention`` vectorised over requests (the CPU fast path).
+
+    Requests are padded to the longest query run and key length and attended in one
+    scaled-dot-product call: [R, H, max_queries, max_keys].
+    """
+    num_requests = len(kv_lens)
+    num_rows, num_heads, head_size = query.shape
+    if num_rows == 0:
+        return torch.empty_like(query)
+    device = query.device
+    page_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[1]
+    counts = torch.tensor([b - a for a, b in zip(query_start_loc[:-1], query_start_loc[1:])],
+                          device=device)
+    max_queries, max_keys = int(counts.max()), max(kv_lens)
+    # Key positions of every request: [R, max_keys] -> pages and offsets in the cache.
+    key_positions = torch.arange(max_keys, device=device)
+    pages = block_table[:, :(max_keys + page_size - 1) // page_size].to(device)
+    key_pages = pages[:, key_positions // page_size]  # [R, max_keys]
+    kv = kv_cache[key_pages, :, (key_positions % page_size)[None, :]]  # [R, max_keys, H_kv, 2D]
+    group = num_heads // num_kv_heads
+    keys = kv[..., :head_size].to(query.dtype).repeat_interleave(group, dim=2)
+    values = kv[..., head_size:].to(query.dtype).repeat_interleave(group, dim=2)
+    # Scatter the ragged query rows into [R, max_queries].
+    request_of_row = torch.repeat_interleave(torch.arange(num_requests, device=device), counts)
+    starts = torch.tensor(query_start_loc[:-1], device=device)
+    slot_of_row = torch.arange(num_rows, device=device) - starts[request_of_row]
+    padded_query = query.new_zeros(num_requests, max_queries, num_heads, head_size)
+    padded_query[request_of_row, slot_of_row] = query
+    row_block = torch.full((num_requests, max_queries), -1, dtype=torch.long, device=device)
+    row_block[request_of_row, slot_of_row] = query_positions.to(device) // diffusion_block_size
+    lens = torch.tensor(kv_lens, device=device)
+    visible = ((key_positions[None, None, :] // diffusion_block_size <= row_block[:, :, None])
+               & (key_positions[None, None, :] < lens[:, None, None]))  # [R, Q, K]
+    visible |= (row_block < 0)[:, :, None]  # padding rows: attend to anything (discarded)
+    out = torch.nn.functional.scaled_dot_product_attention(
+        padded_query.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
+        attn_mask=visible[:, None], scale=scale)  # [R, H, Q, D]
+    return out.transpose(1, 2)[request_of_row, slot_of_row]

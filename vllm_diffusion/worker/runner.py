@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from vllm.forward_context import set_forward_context
+from vllm.sampling_params import SamplingType
 from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
 
 from vllm_diffusion.attention.backend import BlockDiffusionMetadata
@@ -178,6 +179,9 @@ class DiffusionRunnerMixin:
         if not len(out_rows):
             return [[] for _ in rows]
         logits = self.model.compute_logits(hidden_states[out_rows.to(self.device)])
+        # Greedy requests' proposals for all rows at once; sampled requests per request.
+        greedy_tokens, greedy_confidence = (
+            t.cpu() for t in propose_tokens(logits, mask_id, 0.0, 0, 1.0, None))
         sampled: list[list[int]] = []
         offset = 0
         for request_index, (r, positions) in enumerate(zip(rows, surviving)):
@@ -186,10 +190,14 @@ class DiffusionRunnerMixin:
                 continue
             state = self.requests[r.req_id]
             params = state.sampling_params
-            tokens, confidence = propose_tokens(
-                logits[offset:offset + len(positions)], mask_id, params.temperature,
-                params.top_k, params.top_p, state.generator)
+            rows_of_request = slice(offset, offset + len(positions))
             offset += len(positions)
+            if params.sampling_type == SamplingType.GREEDY:
+                tokens, confidence = greedy_tokens[rows_of_request], greedy_confidence[rows_of_request]
+            else:
+                tokens, confidence = propose_tokens(
+                    logits[rows_of_request], mask_id, params.temperature, params.top_k,
+                    params.top_p, state.generator)
             canvas = r.canvas
             masked = canvas.tokens == mask_id
             eligible = torch.zeros(block, dtype=torch.bool)
