@@ -129,3 +129,42 @@ def test_focus_with_eviction_equals_the_plain_torch_focus_reference(block_size, 
         want = reference_focus_generate(reference, prompt, block_size=block_size, mask_id=mask_id,
                                         max_tokens=3 * block_size, config=config)
         assert list(out.outputs[0].token_ids) == want
+
+
+def test_focus_under_preemption_equals_the_focus_reference(dense_checkpoint):
+    """Preempted requests lose their block's KV; FOCUS restarts the block's cache on resume."""
+    import random
+
+    from reference_focus import reference_focus_generate
+
+    from vllm_diffusion.policies.focus import FocusPolicyConfig
+
+    block_size, page_size = 8, 16
+    mask_id, stops, vocab_size = checkpoint_info(dense_checkpoint)
+    rng = random.Random(9)
+    allowed = [t for t in range(vocab_size) if t not in stops | {mask_id}]
+    prompts = [[rng.choice(allowed) for _ in range(rng.randint(5, 30))] for _ in range(8)]
+    options = {"strategy": "threshold", "threshold": 0.7}
+    with diffusion_llm(dense_checkpoint, diffusion_block_size=block_size, block_size=page_size,
+                       num_gpu_blocks_override=12, enable_prefix_caching=False,
+                       max_model_len=128,
+                       additional_config={"diffusion_policy": "focus"}) as llm:
+        scheduler = llm.llm_engine.engine_core.engine_core.scheduler
+        preempted: list[str] = []
+        preempt = scheduler._preempt_request
+
+        def counting_preempt(request, *args, **kwargs):
+            preempted.append(request.request_id)
+            return preempt(request, *args, **kwargs)
+
+        scheduler._preempt_request = counting_preempt
+        outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts],
+                               SamplingParams(temperature=0, max_tokens=40, ignore_eos=True,
+                                              extra_args=options), use_tqdm=False)
+    assert preempted, "no request was preempted; the test does not cover preemption"
+    reference = ReferenceSDAR(dense_checkpoint)
+    config = FocusPolicyConfig(**options)
+    for prompt, out in zip(prompts, outputs):
+        assert list(out.outputs[0].token_ids) == reference_focus_generate(
+            reference, prompt, block_size=block_size, mask_id=mask_id, max_tokens=40,
+            config=config)

@@ -61,8 +61,9 @@ class FocusRequestState:
     # their KV is valid at all layers)
     ever_processed: torch.Tensor | None = None
 
-    def start_block(self, block_start: int) -> None:
-        if block_start != self.block_start:
+    def start_block(self, block_start: int, kv_lost: bool = False) -> None:
+        """Begin (or, when its KV was lost to a preemption, restart) the block."""
+        if block_start != self.block_start or kv_lost:
             self.block_start = block_start
             self.cache = IntraBlockCache(self.block_size)
             self.ever_processed = torch.zeros(self.block_size, dtype=torch.bool)

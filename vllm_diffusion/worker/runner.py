@@ -121,7 +121,10 @@ class DiffusionRunnerMixin:
                 state.num_computed_tokens, policy_config)
 
             def processing(block: BlockCanvas) -> torch.Tensor:
-                focus_state.start_block(block.start)
+                # Recomputing the committed prefix (a resumed preemption) means the block's
+                # KV pages were freed: its frozen positions must be computed again.
+                focus_state.start_block(block.start,
+                                        kv_lost=state.num_computed_tokens < block.start)
                 return focus_state.processing_set(block.policy_config)
 
         plan = plan_request(
