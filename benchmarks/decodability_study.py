@@ -107,15 +107,13 @@ def main() -> None:
 
     from vllm_diffusion.default_model import default_model_path
     from vllm_diffusion.quality.corpus import eval_examples
+    from vllm_diffusion.quality.harness import chat_prompts
 
     model = args.model or str(default_model_path())
     llm = LLM(model=model, dtype="float32", enforce_eager=True, seed=0, max_model_len=1024,
               additional_config={"diffusion_block_size": args.block_size,
                                  "threshold": args.threshold})
-    tokenizer = llm.get_tokenizer()
-    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": e.prompt}],
-                                             tokenize=False, add_generation_prompt=True)
-               for e in eval_examples(args.per_family)]
+    prompts = chat_prompts(llm.get_tokenizer(), eval_examples(args.per_family))
     llm.collective_rpc("start_importance_recording")
     llm.generate(prompts, SamplingParams(temperature=0, max_tokens=128), use_tqdm=False)
     records = llm.collective_rpc("take_importance_records")[0]

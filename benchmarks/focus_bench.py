@@ -79,6 +79,7 @@ def main() -> None:
     from vllm_diffusion.default_model import default_model_path
     from vllm_diffusion.offline import diffusion_llm
     from vllm_diffusion.quality.corpus import eval_examples
+    from vllm_diffusion.quality.harness import chat_prompts
 
     model = str(args.model or default_model_path())
     examples = eval_examples(max(args.batch_sizes) // 7 + 1)
@@ -90,10 +91,7 @@ def main() -> None:
                                max_num_seqs=max(args.batch_sizes),
                                max_num_batched_tokens=max(4096, 4 * block * max(args.batch_sizes)),
                                additional_config={"diffusion_policy": policy}) as llm:
-                tokenizer = llm.get_tokenizer()
-                prompts = [tokenizer.apply_chat_template(
-                    [{"role": "user", "content": e.prompt}], tokenize=False,
-                    add_generation_prompt=True) for e in examples]
+                prompts = chat_prompts(llm.get_tokenizer(), examples)
                 run_cell(llm, prompts[:4], args.max_tokens, options)  # warm-up
                 for batch in args.batch_sizes:
                     cell = results.setdefault((block, batch), {"block_size": block,

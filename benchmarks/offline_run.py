@@ -1,8 +1,8 @@
-"""A short offline run through vLLM's ``LLM`` API: the README's main job.
+"""A short offline run through vLLM's ``LLM`` API.
 
-Generates for a batch of prompts of mixed lengths and reports, as JSON, the numbers that
-do not depend on hardware (denoising steps per block, tokens committed per step, model
-positions computed per committed token) next to the wall time.
+Generates greedily for chat-formatted prompts of the evaluation split and reports, as
+JSON, the numbers that do not depend on hardware (denoising steps per block, tokens
+committed per step, block positions computed per committed token) next to the wall time.
 
     python benchmarks/offline_run.py [--model DIR] [--block-size 4] [--num-prompts 32]
 """
@@ -11,9 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import pathlib
-import random
 import time
 
 
@@ -22,56 +20,40 @@ def main() -> None:
     parser.add_argument("--model", default=None, help="checkpoint dir (default: embedded model)")
     parser.add_argument("--block-size", type=int, default=4)
     parser.add_argument("--num-prompts", type=int, default=32)
-    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--max-tokens", type=int, default=96)
     parser.add_argument("--policy", default="standard")
-    parser.add_argument("--strategy", default="low_confidence_dynamic")
-    parser.add_argument("--threshold", type=float, default=0.9)
+    parser.add_argument("--options", default="{}", help="policy options as JSON")
     parser.add_argument("--max-num-seqs", type=int, default=16)
     parser.add_argument("--out", default="results/offline_run.json")
     args = parser.parse_args()
 
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    from vllm import LLM, SamplingParams
+    from vllm import SamplingParams
 
     from vllm_diffusion.default_model import default_model_path
-    from vllm_diffusion.offline import stats_delta
+    from vllm_diffusion.offline import diffusion_llm, stats_delta
+    from vllm_diffusion.quality.corpus import eval_examples
+    from vllm_diffusion.quality.harness import chat_prompts
 
-    model = args.model or str(default_model_path())
-    llm = LLM(model=model, dtype="float32", enforce_eager=True, seed=0, max_model_len=1024,
-              max_num_seqs=args.max_num_seqs,
-              additional_config={"diffusion_policy": args.policy,
-                                 "diffusion_block_size": args.block_size,
-                                 "strategy": args.strategy, "threshold": args.threshold})
-    tokenizer = llm.get_tokenizer()
-    rng = random.Random(0)
-    words = "the a river town market bread music night question answer light road".split()
-    prompts = [" ".join(rng.choice(words) for _ in range(rng.randint(2, 40)))
-               for _ in range(args.num_prompts)]
-    messages = [[{"role": "user", "content": p}] for p in prompts]
-    if tokenizer.chat_template:
-        prompts = [tokenizer.apply_chat_template(m, tokenize=False, add_generation_prompt=True)
-                   for m in messages]
-    params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
-
-    before = llm.collective_rpc("diffusion_stats")[0]
-    start = time.perf_counter()
-    outputs = llm.generate(prompts, params, use_tqdm=False)
-    wall = time.perf_counter() - start
-    stats = stats_delta(before, llm.collective_rpc("diffusion_stats")[0])
-
+    model = str(args.model or default_model_path())
+    with diffusion_llm(model, diffusion_block_size=args.block_size, max_model_len=1024,
+                       max_num_seqs=args.max_num_seqs,
+                       additional_config={"diffusion_policy": args.policy,
+                                          **json.loads(args.options)}) as llm:
+        prompts = chat_prompts(llm.get_tokenizer(),
+                               eval_examples(args.num_prompts // 7 + 1))[:args.num_prompts]
+        before = llm.collective_rpc("diffusion_stats")[0]
+        start = time.perf_counter()
+        outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=args.max_tokens),
+                               use_tqdm=False)
+        wall = time.perf_counter() - start
+        stats = stats_delta(before, llm.collective_rpc("diffusion_stats")[0])
     output_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
     report = {
-        "model": model,
-        "policy": args.policy,
-        "block_size": args.block_size,
-        "strategy": args.strategy,
-        "threshold": args.threshold,
-        "requests": len(prompts),
+        "model": model, "policy": args.policy, "options": json.loads(args.options),
+        "block_size": args.block_size, "requests": len(prompts),
         "prompt_tokens": sum(len(o.prompt_token_ids) for o in outputs),
-        "output_tokens": output_tokens,
-        **stats,
-        "wall_time_s": round(wall, 3),
-        "output_tokens_per_s": round(output_tokens / wall, 1),
+        "output_tokens": output_tokens, **stats,
+        "wall_time_s": round(wall, 3), "output_tokens_per_s": round(output_tokens / wall, 1),
         "sample": {"prompt": prompts[0], "output": outputs[0].outputs[0].text},
     }
     out = pathlib.Path(args.out)

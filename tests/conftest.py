@@ -23,3 +23,17 @@ def dense_checkpoint(tmp_path_factory) -> pathlib.Path:
 @pytest.fixture(scope="session")
 def moe_checkpoint(tmp_path_factory) -> pathlib.Path:
     return build_tiny_sdar(tmp_path_factory.mktemp("sdar-moe"), moe=True, block_size=4)
+
+
+def watch_preemptions(llm) -> list[str]:
+    """Ids of requests the in-process engine's scheduler preempts from now on."""
+    scheduler = llm.llm_engine.engine_core.engine_core.scheduler
+    preempted: list[str] = []
+    preempt = scheduler._preempt_request
+
+    def counting_preempt(request, *args, **kwargs):
+        preempted.append(request.request_id)
+        return preempt(request, *args, **kwargs)
+
+    scheduler._preempt_request = counting_preempt
+    return preempted

@@ -5,7 +5,7 @@ disturb requests beside them that do not."""
 from __future__ import annotations
 
 import pytest
-from conftest import diffusion_llm
+from conftest import diffusion_llm, watch_preemptions
 from reference_sdar import ReferenceSDAR, reference_generate
 from test_parity import checkpoint_info, make_prompts
 
@@ -149,15 +149,7 @@ def test_focus_under_preemption_equals_the_focus_reference(dense_checkpoint):
                        num_gpu_blocks_override=12, enable_prefix_caching=False,
                        max_model_len=128,
                        additional_config={"diffusion_policy": "focus"}) as llm:
-        scheduler = llm.llm_engine.engine_core.engine_core.scheduler
-        preempted: list[str] = []
-        preempt = scheduler._preempt_request
-
-        def counting_preempt(request, *args, **kwargs):
-            preempted.append(request.request_id)
-            return preempt(request, *args, **kwargs)
-
-        scheduler._preempt_request = counting_preempt
+        preempted = watch_preemptions(llm)
         outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts],
                                SamplingParams(temperature=0, max_tokens=40, ignore_eos=True,
                                               extra_args=options), use_tqdm=False)

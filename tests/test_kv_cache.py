@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import random
 
-from conftest import diffusion_llm
+from conftest import diffusion_llm, watch_preemptions
 from reference_sdar import ReferenceSDAR, reference_generate
 from test_parity import checkpoint_info
 
@@ -57,15 +57,7 @@ def test_preemption_under_kv_pressure_keeps_outputs_exact(dense_checkpoint):
     with diffusion_llm(dense_checkpoint, diffusion_block_size=block_size, block_size=page_size,
                        num_gpu_blocks_override=12, enable_prefix_caching=False,
                        max_model_len=128) as llm:
-        scheduler = llm.llm_engine.engine_core.engine_core.scheduler
-        preempted: list[str] = []
-        preempt = scheduler._preempt_request
-
-        def counting_preempt(request, *args, **kwargs):
-            preempted.append(request.request_id)
-            return preempt(request, *args, **kwargs)
-
-        scheduler._preempt_request = counting_preempt
+        preempted = watch_preemptions(llm)
         outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params,
                                use_tqdm=False)
     reference = ReferenceSDAR(dense_checkpoint)

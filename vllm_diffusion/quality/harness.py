@@ -23,16 +23,20 @@ from vllm_diffusion.quality.corpus import CHECKED_FAMILIES, eval_examples, score
 INSTRUCTION_FAMILIES = tuple(f for f in CHECKED_FAMILIES if f != "arithmetic")
 
 
+def chat_prompts(tokenizer: Any, examples: list) -> list[str]:
+    """Each example's prompt as a user turn in the model's chat template."""
+    return [tokenizer.apply_chat_template([{"role": "user", "content": e.prompt}],
+                                          tokenize=False, add_generation_prompt=True)
+            for e in examples]
+
+
 def evaluate(llm: Any, examples: list, options: dict[str, Any], max_tokens: int) -> dict:
     """Accuracy per family and the work done, for per-request options on an open engine."""
     from vllm import SamplingParams
 
     from vllm_diffusion.offline import stats_delta
 
-    tokenizer = llm.get_tokenizer()
-    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": e.prompt}],
-                                             tokenize=False, add_generation_prompt=True)
-               for e in examples]
+    prompts = chat_prompts(llm.get_tokenizer(), examples)
     params = SamplingParams(temperature=0, max_tokens=max_tokens, extra_args=options or None)
     before = llm.collective_rpc("diffusion_stats")[0]
     start = time.perf_counter()
