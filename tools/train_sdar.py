@@ -83,6 +83,7 @@ class TrainConfig:
     estimate_after: int = 50
     eval_per_family: int = 10
     checkpoint_minutes: float = 10.0
+    init: Path | None = None  # continue from the weights of a checkpoint saved by this script
 
 
 # ------------------------------------------------------------------- data
@@ -257,6 +258,11 @@ def train(config: TrainConfig, size: ModelSize) -> None:
     sdar = sdar_config(size, tokenizer)
     pad_id, mask_id = sdar["pad_token_id"], sdar["mask_token_id"]
     model = Qwen3ForCausalLM(qwen3_config_from_sdar(sdar)).train()
+    if config.init is not None:
+        from safetensors.torch import load_file
+
+        model.load_state_dict(load_file(config.init / "model.safetensors"))
+        print(f"continuing from {config.init}")
     num_params = sum(p.numel() for p in model.parameters())
     print(f"model: {num_params / 1e6:.2f}M parameters, {asdict(size)}; {len(data)} training examples")
     optimizer = make_optimizer(model, config)
@@ -312,13 +318,15 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=TrainConfig.batch_size)
     parser.add_argument("--lr", type=float, default=TrainConfig.lr)
     parser.add_argument("--eval-per-family", type=int, default=TrainConfig.eval_per_family)
+    parser.add_argument("--init", type=Path, default=None,
+                        help="continue from the weights of a checkpoint this script saved")
     for field, default in asdict(ModelSize()).items():
         parser.add_argument(f"--{field.replace('_', '-')}", type=type(default), default=default)
     args = parser.parse_args()
     size = ModelSize(**{field: getattr(args, field) for field in asdict(ModelSize())})
     config = TrainConfig(out=args.out, minutes=args.minutes, seed=args.seed, threads=args.threads,
                          max_steps=args.max_steps, batch_size=args.batch_size, lr=args.lr,
-                         eval_per_family=args.eval_per_family)
+                         eval_per_family=args.eval_per_family, init=args.init)
     train(config, size)
 
 
