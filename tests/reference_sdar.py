@@ -133,6 +133,7 @@ class ReferenceSDAR:
 class GenerationTrace:
     output_ids: list[int]
     steps_per_block: list[int]  # denoising forwards run for each block, in order
+    step_map: list[int]  # per output token: the denoising forward (0-based) that unmasked it
 
 
 def transfer_quotas(block_size: int, steps: int) -> list[int]:
@@ -201,8 +202,11 @@ def reference_generate_trace(
 
     output: list[int] = []
     steps_per_block: list[int] = []
+    step_map: list[int] = []
+    forwards = 0
     while len(output) < max_tokens:
         num_steps = 0
+        decoded_at = torch.full((block_size,), -1)
         for s in range(steps):
             masked = block == mask_id  # [B]
             if not masked.any():
@@ -217,6 +221,8 @@ def reference_generate_trace(
             last_step = s == steps - 1
             chosen = select_positions(strategy, confidence, masked, quotas[s], threshold, last_step)
             block = torch.where(chosen, x0, block)
+            decoded_at[chosen] = forwards
+            forwards += 1
             num_steps += 1
         if (block == mask_id).any():
             raise RuntimeError(f"block still has masks after {steps} steps ({strategy=})")
@@ -227,6 +233,7 @@ def reference_generate_trace(
             if position < prompt_len:
                 continue
             output.append(token)
+            step_map.append(int(decoded_at[position - block_start]))
             if token in stop_token_ids or len(output) == max_tokens:
                 finished = True
                 break
@@ -235,7 +242,7 @@ def reference_generate_trace(
         committed.extend(block.tolist())
         block_start += block_size
         block = torch.full((block_size,), mask_id)
-    return GenerationTrace(output_ids=output, steps_per_block=steps_per_block)
+    return GenerationTrace(output_ids=output, steps_per_block=steps_per_block, step_map=step_map)
 
 
 def reference_generate(

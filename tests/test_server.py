@@ -86,6 +86,19 @@ def test_metrics_report_diffusion_counters(server):
     assert metric(server["url"], "vllm:diffusion_num_positions_after_eviction_total") == positions
 
 
+def test_step_map_is_returned_on_request(server):
+    body = chat_body(server, vllm_xargs={**SEQUENTIAL, "return_step_map": True})
+    response = requests.post(f"{server['url']}/v1/chat/completions", json=body, timeout=60).json()
+    steps = response["kv_transfer_params"]["diffusion_step_map"]
+    # Sequential unmasking: one token per denoising step, in order.
+    assert len(steps) == response["usage"]["completion_tokens"] == 12
+    assert steps == sorted(steps) and len(set(steps)) == 12
+    completion = requests.post(f"{server['url']}/v1/completions", timeout=60, json={
+        "model": server["model"], "prompt": "The river", "max_tokens": 5, "temperature": 0,
+        "ignore_eos": True, "vllm_xargs": {"return_step_map": True}}).json()
+    assert len(completion["kv_transfer_params"]["diffusion_step_map"]) == 5
+
+
 def test_invalid_option_is_a_400_and_the_server_keeps_serving(server):
     response = requests.post(f"{server['url']}/v1/chat/completions",
                              json=chat_body(server, vllm_xargs={"threshold": 2.0}), timeout=30)

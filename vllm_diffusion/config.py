@@ -18,8 +18,12 @@ from vllm_diffusion.policies import POLICIES
 
 DEFAULT_BLOCK_SIZE = 4  # SDAR's default
 ENGINE_KEYS = ("diffusion_policy", "diffusion_block_size", "mask_token_id")
-# Per-request keys that are not policy options.
-REQUEST_KEYS = ("diffusion_policy",)
+# Per-request keys that are not policy options; ``diffusion_policy`` is checked separately.
+REQUEST_KEYS = ("diffusion_policy", "return_step_map")
+_REQUEST_RULES = {"return_step_map": Rule(bool)}
+# Where a request's step map travels (kv_transfer_params of its outputs) and is kept (an
+# attribute of vLLM's Request in the scheduler, freed with it).
+STEP_MAP_KEY = "diffusion_step_map"
 _RESOLVED_KEY = "_vllm_diffusion_resolved"
 
 
@@ -48,6 +52,9 @@ class DiffusionEngineConfig:
             return self.policy_config
         source = "request extra_args (vllm_xargs)"
         overrides = dict(extra_args)
+        for name, rule in _REQUEST_RULES.items():
+            if name in overrides:
+                rule.check(name, overrides.pop(name), source)
         requested = overrides.pop("diffusion_policy", self.policy_name)
         if requested != self.policy_name:
             raise OptionError(
@@ -71,6 +78,14 @@ class DiffusionEngineConfig:
                     f"server uses {getattr(self.policy_config, name)!r}")
         config.validate_for_block(self.block_size, source)
         return config
+
+
+def wants_step_map(extra_args: Mapping[str, Any] | None) -> bool:
+    """Whether a request asked for the decode step of each output token."""
+    if not extra_args or "return_step_map" not in extra_args:
+        return False
+    return _REQUEST_RULES["return_step_map"].check(
+        "return_step_map", extra_args["return_step_map"], "request extra_args (vllm_xargs)")
 
 
 def parse_engine_options(values: Mapping[str, Any], *, config_block_size: int | None,

@@ -1,4 +1,4 @@
-"""The two places where vllm-diffusion wraps vLLM's front end (listed in patches/README.md).
+"""Where vllm-diffusion wraps vLLM's front end (listed in patches/README.md).
 
 1. ``--diffusion-policy NAME`` on the ``vllm`` command line, stored into
    ``additional_config["diffusion_policy"]``.
@@ -9,6 +9,9 @@
    tokens through vLLM's spec-decoding counters, as vLLM's native diffusion models do;
    the stat loggers are told to log and export them under vLLM's diffusion names
    (``vllm:diffusion_num_denoising_steps`` ...), which ``vllm bench serve`` reads.
+4. Step maps: when a stop string ends the output inside a step, the detokenizer drops the
+   surplus tokens; the request's step map (``kv_transfer_params["diffusion_step_map"]``,
+   one entry per output token) is cut to match.
 The wrappers leave every other model untouched.
 """
 
@@ -23,6 +26,7 @@ def install() -> None:
     _install_cli_flag()
     _install_request_validation()
     _install_diffusion_metric_names()
+    _install_step_map_trimming()
 
 
 def _install_cli_flag() -> None:
@@ -151,3 +155,23 @@ def _install_diffusion_metric_names() -> None:
 
     loggers.LoggingStatLogger.__init__ = logging_stat_logger_init
     loggers.PrometheusStatLogger.__init__ = prometheus_stat_logger_init
+
+
+def _install_step_map_trimming() -> None:
+    from vllm.v1.engine.output_processor import OutputProcessor
+
+    from vllm_diffusion.config import STEP_MAP_KEY
+
+    if getattr(OutputProcessor, _INSTALLED_FLAG, False):
+        return
+    setattr(OutputProcessor, _INSTALLED_FLAG, True)
+    trim_surplus_tokens = OutputProcessor._trim_surplus_tokens
+
+    def trim_surplus_tokens_and_step_map(req_state, output, num_prev_tokens):
+        trim_surplus_tokens(req_state, output, num_prev_tokens)
+        params = output.kv_transfer_params
+        if params and STEP_MAP_KEY in params:
+            num_tokens = req_state.detokenizer.num_output_tokens()
+            params[STEP_MAP_KEY] = params[STEP_MAP_KEY][:num_tokens]
+
+    OutputProcessor._trim_surplus_tokens = staticmethod(trim_surplus_tokens_and_step_map)

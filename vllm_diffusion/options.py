@@ -48,6 +48,9 @@ class Rule:
             value = float(value)
         if isinstance(value, str) and self.kind is bool and value.lower() in ("true", "false"):
             value = value.lower() == "true"
+        # The OpenAI server's vllm_xargs holds str | int | float: a JSON true arrives as 1.
+        if self.kind is bool and type(value) is int and value in (0, 1):
+            value = bool(value)
         if isinstance(value, str) and self.kind in (int, float):
             try:
                 value = self.kind(value)

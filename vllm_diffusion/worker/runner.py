@@ -23,13 +23,14 @@ from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
 from vllm_diffusion.attention.backend import BlockDiffusionMetadata
 from vllm_diffusion.attention.eviction import EvictionStep
 from vllm_diffusion.attention.importance import ImportanceProbe
-from vllm_diffusion.config import engine_config_from_vllm
+from vllm_diffusion.config import engine_config_from_vllm, wants_step_map
 from vllm_diffusion.policies.focus import FocusPolicy, FocusRequestState
 from vllm_diffusion.worker.focus_step import candidate_rows, eviction_step, hidden_rows
 from vllm_diffusion.worker.sampling import propose_tokens
 from vllm_diffusion.worker.step_plan import (
     BlockCanvas,
     RequestRows,
+    decode_steps,
     emit_final_tokens,
     plan_request,
 )
@@ -93,7 +94,7 @@ class DiffusionRunnerMixin:
         stats = self.diffusion_stats
         before = (stats.block_positions_computed, stats.block_positions_after_eviction)
         hidden_states = self._forward(rows, probe, eviction)
-        sampled = self._denoise(rows, hidden_states, probe, eviction)
+        sampled, step_maps = self._denoise(rows, hidden_states, probe, eviction)
         stats.engine_steps += 1
         output = ModelRunnerOutput(
             req_ids=req_ids,
@@ -105,6 +106,9 @@ class DiffusionRunnerMixin:
         output.diffusion_block_positions = (
             stats.block_positions_computed - before[0],
             stats.block_positions_after_eviction - before[1])
+        # For requests that asked (extra_args return_step_map): the denoising step that
+        # unmasked each token of sampled_token_ids, for the scheduler to accumulate.
+        output.diffusion_step_maps = step_maps
         return output
 
     def _plan(self, req_id: str, scheduler_output: Any) -> RequestRows:
@@ -174,18 +178,19 @@ class DiffusionRunnerMixin:
 
     def _denoise(self, rows: list[RequestRows], hidden_states: torch.Tensor,
                  probe: ImportanceProbe | None,
-                 eviction: EvictionStep | None) -> list[list[int]]:
+                 eviction: EvictionStep | None) -> tuple[list[list[int]], dict[str, list[int]]]:
         block = self.diffusion.block_size
         mask_id = self.diffusion.mask_token_id
         num_rows = sum(len(r.positions) for r in rows)
         surviving, out_rows = hidden_rows(rows, eviction, num_rows)
         if not len(out_rows):
-            return [[] for _ in rows]
+            return [[] for _ in rows], {}
         logits = self.model.compute_logits(hidden_states[out_rows.to(self.device)])
         # Greedy requests' proposals for all rows at once; sampled requests per request.
         greedy_tokens, greedy_confidence = (
             t.cpu() for t in propose_tokens(logits, mask_id, 0.0, 0, 1.0, None))
         sampled: list[list[int]] = []
+        step_maps: dict[str, list[int]] = {}
         offset = 0
         for request_index, (r, positions) in enumerate(zip(rows, surviving)):
             if positions is None:
@@ -213,14 +218,14 @@ class DiffusionRunnerMixin:
                 full_confidence, masked & eligible, canvas.steps, block, canvas.policy_config)
             if probe is not None and self.importance_records is not None:
                 self._record_importance(probe, request_index, masked, commit)
-            canvas.tokens[commit] = proposals[commit]
-            canvas.steps += 1
+            canvas.commit(commit, proposals)
             if self.focus:
                 self.focus_states[r.req_id].after_step(masked, eligible, int(commit.sum()))
-            final = truncate_at_stop(
-                emit_final_tokens(canvas, len(state.prompt_token_ids)
-                                  + len(state.output_token_ids), mask_id),
-                params, len(state.output_token_ids))
+            num_known = len(state.prompt_token_ids) + len(state.output_token_ids)
+            final = truncate_at_stop(emit_final_tokens(canvas, num_known, mask_id),
+                                     params, len(state.output_token_ids))
+            if wants_step_map(params.extra_args):
+                step_maps[r.req_id] = decode_steps(canvas, num_known, len(final))
             state.output_token_ids.extend(final)
             sampled.append(final)
             stats = self.diffusion_stats
@@ -229,7 +234,7 @@ class DiffusionRunnerMixin:
             stats.block_positions_after_eviction += len(positions)
             stats.tokens_committed += len(final)
             stats.blocks_completed += int(not bool((canvas.tokens == mask_id).any()))
-        return sampled
+        return sampled, step_maps
 
     def _record_importance(self, probe: ImportanceProbe, request_index: int,
                            masked: torch.Tensor, commit: torch.Tensor) -> None:

@@ -26,7 +26,7 @@ from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.spec_decode.metrics import SpecDecodingStats
 
-from vllm_diffusion.config import engine_config_from_vllm
+from vllm_diffusion.config import STEP_MAP_KEY, engine_config_from_vllm
 
 
 def committed_after_step(num_computed: int, num_scheduled: int, num_tokens: int,
@@ -40,6 +40,24 @@ def committed_after_step(num_computed: int, num_scheduled: int, num_tokens: int,
     if end >= num_tokens:
         return num_tokens // block_size * block_size
     return end // block_size * block_size
+
+
+
+def attach_step_maps(outputs: dict[int, Any], requests: dict[str, Any]) -> None:
+    """Put each asking request's step map so far (one entry per output token) into its
+    output's ``kv_transfer_params["diffusion_step_map"]``, the one free-form per-request
+    field vLLM carries from the engine to the response. The whole map rides on every
+    output, so the one that ends the request (also at a stop string) carries it all."""
+    if not requests:
+        return
+    for engine_outputs in outputs.values():
+        for output in engine_outputs.outputs:
+            request = requests.get(output.request_id)
+            if request is None:
+                continue
+            steps = getattr(request, STEP_MAP_KEY)[:request.num_output_tokens]
+            output.kv_transfer_params = {**(output.kv_transfer_params or {}),
+                                         STEP_MAP_KEY: steps}
 
 
 class BlockDiffusionScheduler(Scheduler):
@@ -89,7 +107,9 @@ class BlockDiffusionScheduler(Scheduler):
     def update_from_output(self, scheduler_output: SchedulerOutput,
                            model_runner_output: Any):
         self._step_stats = self._diffusion_step_stats(scheduler_output, model_runner_output)
+        step_map_requests = self._extend_step_maps(model_runner_output)
         outputs = super().update_from_output(scheduler_output, model_runner_output)
+        attach_step_maps(outputs, step_map_requests)
         for req_id in scheduler_output.num_scheduled_tokens:
             committed = self._committed.pop(req_id, None)
             request = self.requests.get(req_id)
@@ -98,6 +118,20 @@ class BlockDiffusionScheduler(Scheduler):
             if request.num_computed_tokens > 0:  # 0 after a preemption in this step
                 request.num_computed_tokens = committed
         return outputs
+
+    def _extend_step_maps(self, model_runner_output: Any) -> dict[str, Any]:
+        """Append this step's decode steps to the requests that asked for a step map."""
+        requests = {}
+        for req_id, steps in (getattr(model_runner_output, "diffusion_step_maps", None)
+                              or {}).items():
+            request = self.requests.get(req_id)
+            if request is None:
+                continue
+            if not hasattr(request, STEP_MAP_KEY):
+                setattr(request, STEP_MAP_KEY, [])
+            getattr(request, STEP_MAP_KEY).extend(steps)
+            requests[req_id] = request
+        return requests
 
     def _diffusion_step_stats(self, scheduler_output: SchedulerOutput,
                               model_runner_output: Any) -> SpecDecodingStats:

@@ -25,6 +25,20 @@ class BlockCanvas:
     tokens: torch.Tensor  # [B] int64 (host), mask_token_id where undecided
     policy_config: object
     steps: int = 0  # denoising steps taken on this block
+    first_step: int = 0  # the request's denoising steps before this block
+    # [B] int64 (host): the request's denoising step (0-based) that unmasked each position;
+    # -1 where the position is fixed (prompt tail) or still masked
+    decoded_at: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        if self.decoded_at is None:
+            self.decoded_at = torch.full_like(self.tokens, -1)
+
+    def commit(self, positions: torch.Tensor, proposals: torch.Tensor) -> None:
+        """Unmask ``positions`` ([B] bool) with ``proposals`` ([B] int64); one step done."""
+        self.tokens[positions] = proposals[positions]
+        self.decoded_at[positions] = self.first_step + self.steps
+        self.steps += 1
 
 
 @dataclasses.dataclass
@@ -63,7 +77,8 @@ def plan_request(req_id: str, token_ids: list[int], num_computed: int,
         tokens = torch.full((block_size,), mask_token_id, dtype=torch.long)
         fixed = token_ids[block_start:]
         tokens[:len(fixed)] = torch.tensor(fixed, dtype=torch.long)
-        canvas = BlockCanvas(block_start, tokens, policy_config)
+        first_step = canvas.first_step + canvas.steps if canvas is not None else 0
+        canvas = BlockCanvas(block_start, tokens, policy_config, first_step=first_step)
     block_end = block_start + block_size
     computed = (torch.arange(block_size) if processing is None
                 else torch.nonzero(processing(canvas)).flatten())
@@ -85,3 +100,9 @@ def emit_final_tokens(canvas: BlockCanvas, num_tokens: int, mask_token_id: int) 
             break
         run.append(token)
     return run
+
+
+def decode_steps(canvas: BlockCanvas, num_tokens: int, count: int) -> list[int]:
+    """The steps that unmasked the ``count`` block tokens following the known tokens."""
+    offset = num_tokens - canvas.start
+    return canvas.decoded_at[offset:offset + count].tolist()
