@@ -12,8 +12,8 @@ Per request and denoising step, over the B positions of its block:
   step; afterwards a decoded position is dropped once it and its right neighbour were both
   decoded before the step (so it is recomputed once with its real token first).
 
-These functions are not wired into the engine yet; they are the policy-side pieces of
-FOCUS, tested on hand-built inputs.
+The engine batches selection over requests (``batched_select_retained``, or its Triton
+kernel on CUDA: ``selection_kernel``); tests check these pieces on hand-built inputs.
 """
 
 from __future__ import annotations
