@@ -19,12 +19,14 @@ def block_row_starts(rows: list[RequestRows]) -> list[int | None]:
     return starts
 
 
-def candidate_rows(rows: list[RequestRows], mask_token_id: int,
-                   device: torch.device) -> list[torch.Tensor | None]:
-    """Query rows of every request's masked (candidate) block positions."""
+def candidate_rows(rows: list[RequestRows], mask_token_id: int, device: torch.device,
+                   evicting_only: bool = False) -> list[torch.Tensor | None]:
+    """Query rows of every request's masked (candidate) block positions; with
+    ``evicting_only``, None for requests whose options turn eviction off (no importance
+    is computed for them)."""
     out = []
     for r, start in zip(rows, block_row_starts(rows)):
-        if start is None:
+        if start is None or (evicting_only and not r.canvas.policy_config.evict):
             out.append(None)
             continue
         masked = r.canvas.tokens[r.block_positions] == mask_token_id
@@ -34,7 +36,7 @@ def candidate_rows(rows: list[RequestRows], mask_token_id: int,
 
 def eviction_step(rows: list[RequestRows], states: dict[str, FocusRequestState],
                   mask_token_id: int, block_size: int, device: torch.device) -> EvictionStep:
-    probe = ImportanceProbe(candidate_rows(rows, mask_token_id, device),
+    probe = ImportanceProbe(candidate_rows(rows, mask_token_id, device, evicting_only=True),
                             [r.canvas.policy_config.pool_kernel if r.canvas else 3 for r in rows])
     requests = []
     for r, start in zip(rows, block_row_starts(rows)):
