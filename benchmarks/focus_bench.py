@@ -1,11 +1,14 @@
 """Standard vs FOCUS, side by side in one run, per block size and batch size.
 
-Workload: chat-formatted prompts from the evaluation split (a ShareGPT-like mix of short
-questions with answers of 10-60 tokens), greedy. For each block size, one engine per
-policy; for each batch size, that many requests are submitted at once (max_num_seqs equal
-to the largest batch). Reported per cell: block positions computed per committed token
-(layers 0-1, and after eviction: the layers FOCUS reduces), denoising steps, wall time,
-output tokens/s, and the FOCUS/standard throughput ratio. JSON and a PNG plot.
+Workload: chat-formatted prompts from the evaluation split, the task families interleaved
+(a ShareGPT-like mix of short questions with answers of 10-60 tokens), greedy. For each
+block size and round, one engine per policy, the two policies alternating; for each batch
+size, that many requests are submitted at once (max_num_seqs equal to the largest batch).
+Reported per cell: block positions computed per committed token (layers 0-1, and after
+eviction: the layers FOCUS reduces), denoising steps, output tokens/s (the median over the
+rounds, each round's figure kept), the FOCUS/standard throughput ratio of the medians, and
+the exact-match accuracy of each policy's answers.
+JSON and a PNG plot.
 
     python benchmarks/focus_bench.py [--model DIR] [--block-sizes 16 32 64] [--batch-sizes 8 32 64]
 """
@@ -15,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import pathlib
+import statistics
 import time
 
 POLICIES = ("standard", "focus")
@@ -40,6 +44,26 @@ def run_cell(llm, prompts: list[str], max_tokens: int, options: dict) -> dict:
             "denoising_steps": stats["denoising_steps"],
             "tokens_committed_per_denoising_step": stats["tokens_committed_per_denoising_step"],
             "texts": [o.outputs[0].text for o in outputs]}
+
+
+def mixed_workload(per_family: int) -> list:
+    """Evaluation examples with the task families interleaved, so any prefix is a mix."""
+    from vllm_diffusion.quality.corpus import CHECKED_FAMILIES, eval_examples
+
+    examples = eval_examples(per_family)
+    by_family = [[e for e in examples if e.family == f] for f in CHECKED_FAMILIES]
+    return [group[i] for i in range(per_family) for group in by_family]
+
+
+def median_of_rounds(rounds: list[dict]) -> dict:
+    """One cell's result: the work counters of the first round (greedy decoding repeats
+    them exactly) and the median throughput, with every round's throughput listed."""
+    cell = dict(rounds[0])
+    speeds = [r["output_tokens_per_s"] for r in rounds]
+    cell["output_tokens_per_s"] = statistics.median(speeds)
+    cell["output_tokens_per_s_rounds"] = speeds
+    cell.pop("wall_time_s")
+    return cell
 
 
 def plot(cells: list[dict], path: pathlib.Path) -> None:
@@ -73,44 +97,54 @@ def main() -> None:
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[8, 32, 64])
     parser.add_argument("--max-tokens", type=int, default=96)
     parser.add_argument("--threshold", type=float, default=0.8)
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="engine pairs per block size; throughput is their median")
     parser.add_argument("--out", default="results/focus_bench.json")
     args = parser.parse_args()
 
     from vllm_diffusion.default_model import default_model_path
     from vllm_diffusion.offline import diffusion_llm
-    from vllm_diffusion.quality.corpus import eval_examples
+    from vllm_diffusion.quality.corpus import CHECKED_FAMILIES, score
     from vllm_diffusion.quality.harness import chat_prompts
 
     model = str(args.model or default_model_path())
-    examples = eval_examples(max(args.batch_sizes) // 7 + 1)
+    examples = mixed_workload(-(-max(args.batch_sizes) // len(CHECKED_FAMILIES)))
     options = {"strategy": "threshold", "threshold": args.threshold}
-    results: dict[tuple[int, int], dict] = {}
+    rounds: dict[tuple[int, int, str], list[dict]] = {}
     for block in args.block_sizes:
-        for policy in POLICIES:
-            with diffusion_llm(model, diffusion_block_size=block, max_model_len=1024,
-                               max_num_seqs=max(args.batch_sizes),
-                               max_num_batched_tokens=max(4096, 4 * block * max(args.batch_sizes)),
-                               additional_config={"diffusion_policy": policy}) as llm:
-                prompts = chat_prompts(llm.get_tokenizer(), examples)
-                run_cell(llm, prompts[:4], args.max_tokens, options)  # warm-up
-                for batch in args.batch_sizes:
-                    cell = results.setdefault((block, batch), {"block_size": block,
-                                                               "batch_size": batch})
-                    cell[policy] = run_cell(llm, prompts[:batch], args.max_tokens, options)
+        for _ in range(args.rounds):
+            for policy in POLICIES:
+                with diffusion_llm(model, diffusion_block_size=block, max_model_len=1024,
+                                   max_num_seqs=max(args.batch_sizes),
+                                   max_num_batched_tokens=max(4096, 4 * block * max(args.batch_sizes)),
+                                   additional_config={"diffusion_policy": policy}) as llm:
+                    prompts = chat_prompts(llm.get_tokenizer(), examples)
+                    run_cell(llm, prompts[:4], args.max_tokens, options)  # warm-up
+                    for batch in args.batch_sizes:
+                        rounds.setdefault((block, batch, policy), []).append(
+                            run_cell(llm, prompts[:batch], args.max_tokens, options))
     cells = []
-    for cell in results.values():
-        cell["throughput_ratio"] = (cell["focus"]["output_tokens_per_s"]
-                                    / cell["standard"]["output_tokens_per_s"])
-        cell["identical_outputs"] = sum(a == b for a, b in zip(
-            cell["standard"].pop("texts"), cell["focus"].pop("texts")))
-        cells.append(cell)
-        print(f"B={cell['block_size']:>2} batch={cell['batch_size']:>2}: later-layer positions/token "
-              f"{cell['standard']['block_positions_per_token_later_layers']:.2f} -> "
-              f"{cell['focus']['block_positions_per_token_later_layers']:.2f}, "
-              f"throughput x{cell['throughput_ratio']:.2f}")
+    for block in args.block_sizes:
+        for batch in args.batch_sizes:
+            cell = {"block_size": block, "batch_size": batch,
+                    **{p: median_of_rounds(rounds[block, batch, p]) for p in POLICIES}}
+            cell["throughput_ratio"] = (cell["focus"]["output_tokens_per_s"]
+                                        / cell["standard"]["output_tokens_per_s"])
+            for policy in POLICIES:
+                texts = cell[policy]["texts"]
+                cell[policy]["accuracy"] = sum(
+                    score(e.family, e.answer, t) for e, t in zip(examples, texts)) / len(texts)
+            cell["identical_outputs"] = sum(a == b for a, b in zip(
+                cell["standard"].pop("texts"), cell["focus"].pop("texts")))
+            cells.append(cell)
+            print(f"B={block:>2} batch={batch:>2}: later-layer positions/token "
+                  f"{cell['standard']['block_positions_per_token_later_layers']:.2f} -> "
+                  f"{cell['focus']['block_positions_per_token_later_layers']:.2f}, "
+                  f"throughput x{cell['throughput_ratio']:.2f}")
     out = pathlib.Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"model": model, "options": options, "cells": cells}, indent=2) + "\n")
+    out.write_text(json.dumps({"model": model, "options": options, "rounds": args.rounds,
+                               "cells": cells}, indent=2) + "\n")
     plot(cells, out.with_suffix(".png"))
 
 
