@@ -1,12 +1,15 @@
 """Train a tiny SDAR (Qwen3-architecture) block-diffusion chat model on the project corpus.
 
-Usage (about an hour on one CPU core):
-    python tools/train_sdar.py --out vllm_diffusion/checkpoints/sdar-tiny-chat --minutes 55 --threads 1
+Usage (the README gives the commands that made the committed checkpoint):
+    python tools/train_sdar.py --out DIR --ar-minutes 15 --minutes 40 --threads 1
+    python tools/train_sdar.py --init DIR --out DIR2 --minutes 45 --threads 2 --lr 1e-3
 
-Training stops at the time budget. The cosine schedule length is estimated
-from the speed of the first steps and printed; pass it back as --max-steps
-for a bit-identical rerun. At the end the checkpoint is scored greedily on a
-few held-out prompts per family (see tools/sample_sdar.py).
+An optional autoregressive warm start (--ar-minutes: next-token loss on the responses
+under the causal mask, as SDAR starts from an autoregressive model) comes first. Each
+stage stops at its time budget; its cosine schedule length is estimated from the speed of
+its first steps and printed: pass it back (--ar-max-steps, --max-steps) for a rerun with
+the same steps. At the end the checkpoint is scored greedily on a few held-out prompts
+per family (see tools/sample_sdar.py).
 
 Objective (BD3-LM, vectorised): the model reads [noisy ; clean] with
 position ids 0..L-1 for both halves. Per block, a fraction t ~ U(eps, 1) of
@@ -17,7 +20,8 @@ cross-entropy over masked positions: the 1/t ELBO weight would multiply the
 gradient of nearly-clean blocks by up to 1/eps, which is too noisy for a few
 thousand small-batch steps, and greedy confidence decoding needs a good
 argmax, not a calibrated likelihood. The block size is drawn per batch from
-{4, 8, 16, 32, 64}, so one checkpoint serves all of them.
+{1, 2, 4, 8, 16, 32, 64} (--block-sizes), so one checkpoint serves every block size; the
+noisy copies of prompt-only blocks are left out of the pass (nothing attends to them).
 
 Targets: response tokens, then ``<|im_end|>``, then ``<|endoftext|>`` up to the
 end of the block holding ``<|im_end|>`` (what the model writes there at
@@ -27,6 +31,7 @@ inference); later all-padding blocks are never loss targets.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import os
@@ -48,7 +53,8 @@ from train_tokenizer import ENDOFTEXT, IM_END, IM_START, MASK, build_tokenizer  
 from vllm_diffusion.quality.corpus import eval_examples, train_examples  # noqa: E402
 
 DEFAULT_OUT = Path(__file__).resolve().parents[1] / "vllm_diffusion/checkpoints/sdar-tiny-chat"
-BLOCK_SIZES = (4, 8, 16, 32, 64)
+# 1 and 2 add dense, nearly autoregressive targets (every response token masked).
+BLOCK_SIZES = (1, 2, 4, 8, 16, 32, 64)
 SERVING_BLOCK_SIZE = 4
 
 
@@ -84,6 +90,9 @@ class TrainConfig:
     eval_per_family: int = 10
     checkpoint_minutes: float = 10.0
     init: Path | None = None  # continue from the weights of a checkpoint saved by this script
+    ar_minutes: float = 0.0  # autoregressive warm start before block-diffusion training
+    block_sizes: tuple[int, ...] = BLOCK_SIZES  # drawn uniformly per batch
+    ar_max_steps: int | None = None
 
 
 # ------------------------------------------------------------------- data
@@ -155,15 +164,18 @@ def training_attention_mask(length: int, block_size: int) -> torch.Tensor:
 
 
 def noisy_hidden_states(model: Qwen3ForCausalLM, noisy: torch.Tensor, clean: torch.Tensor,
-                        block_size: int) -> torch.Tensor:
-    """Final hidden states [b, L, hidden] of the noisy half under the block-diffusion mask."""
+                        block_size: int, start: int = 0) -> torch.Tensor:
+    """Final hidden states [b, L - start, hidden] of the noisy half under the block-diffusion
+    mask, from ``start`` (a block boundary: noisy blocks before it hold no mask in any row
+    and are left out; nothing attends to them)."""
     batch, length = noisy.shape
-    inputs = torch.cat([noisy, clean[:, : length - block_size]], dim=1)  # [b, 2L - BS]
-    positions = torch.cat([torch.arange(length), torch.arange(length - block_size)])
-    attention_mask = training_attention_mask(length, block_size)[None, None]
+    inputs = torch.cat([noisy[:, start:], clean[:, : length - block_size]], dim=1)
+    positions = torch.cat([torch.arange(start, length), torch.arange(length - block_size)])
+    kept = torch.cat([torch.arange(length) >= start, torch.ones(length - block_size, dtype=torch.bool)])
+    attention_mask = training_attention_mask(length, block_size)[kept][:, kept][None, None]
     output = model.model(input_ids=inputs, attention_mask=attention_mask,
                          position_ids=positions[None].expand(batch, -1))
-    return output.last_hidden_state[:, :length]
+    return output.last_hidden_state[:, :length - start]
 
 
 def check_attention_mask(seed: int = 0) -> None:
@@ -189,6 +201,9 @@ def check_attention_mask(seed: int = 0) -> None:
             alone = model.model(input_ids=sequence, attention_mask=mask).last_hidden_state[0, -block_size:]
             if not torch.allclose(joint[start:start + block_size], alone, atol=1e-9):
                 raise AssertionError(f"block-diffusion mask is not honoured (block at {start})")
+        skipped = noisy_hidden_states(model, noisy, clean, block_size, block_size)[0]
+        if not torch.allclose(skipped, joint[block_size:], atol=1e-9):
+            raise AssertionError("leaving out the first noisy block changes the others")
 
 
 # --------------------------------------------------------------- training
@@ -234,8 +249,21 @@ def block_diffusion_loss(model: Qwen3ForCausalLM, items: list[tuple[list[int], l
     """Mean cross-entropy over masked positions, and the number of real (non-padding) tokens."""
     clean, eligible = collate(items, block_size, pad_id)  # [b, L], [b, L]
     noisy, masked = mask_blocks(clean, eligible, block_size, mask_id, eps, generator)
-    hidden = noisy_hidden_states(model, noisy, clean, block_size)  # [b, L, hidden]
-    loss = F.cross_entropy(model.lm_head(hidden[masked]), clean[masked])
+    # The noisy copy of prompt blocks (before the first block any row may mask) is skipped.
+    start = int(eligible.float().argmax(dim=1).min()) // block_size * block_size
+    hidden = noisy_hidden_states(model, noisy, clean, block_size, start)  # [b, L - start, hidden]
+    loss = F.cross_entropy(model.lm_head(hidden[masked[:, start:]]), clean[masked])
+    return loss, sum(len(prompt) + len(response) for prompt, response in items)
+
+
+def autoregressive_loss(model: Qwen3ForCausalLM, items: list[tuple[list[int], list[int]]],
+                        pad_id: int):
+    """Next-token cross-entropy on the response targets under the plain causal mask (the
+    warm start SDAR inherits from its autoregressive base model)."""
+    clean, eligible = collate(items, 1, pad_id)  # [b, L], [b, L]
+    hidden = model.model(input_ids=clean[:, :-1]).last_hidden_state  # [b, L - 1, hidden]
+    targets = eligible[:, 1:]
+    loss = F.cross_entropy(model.lm_head(hidden[targets]), clean[:, 1:][targets])
     return loss, sum(len(prompt) + len(response) for prompt, response in items)
 
 
@@ -265,16 +293,38 @@ def train(config: TrainConfig, size: ModelSize) -> None:
         print(f"continuing from {config.init}")
     num_params = sum(p.numel() for p in model.parameters())
     print(f"model: {num_params / 1e6:.2f}M parameters, {asdict(size)}; {len(data)} training examples")
-    optimizer = make_optimizer(model, config)
     batch_iter = batches([len(p) + len(r) for p, r in data], config.batch_size, rng)
-    total_steps = config.max_steps or 10**9
-    budget_s, started = config.minutes * 60, time.perf_counter()
+    next_items = lambda: [data[i] for i in next(batch_iter)]  # noqa: E731
+    save = functools.partial(save_checkpoint, model, tokenizer, sdar, config.out)
+    if config.ar_minutes:
+        print(f"autoregressive warm start: {config.ar_minutes} minutes")
+        optimize(model, lambda items: autoregressive_loss(model, items, pad_id), next_items,
+                 config, config.ar_minutes, config.ar_max_steps, save, "--ar-max-steps")
+        save()
+        print("block-diffusion training")
+    optimize(model, lambda items: block_diffusion_loss(
+        model, items, rng.choice(config.block_sizes), pad_id, mask_id, config.mask_eps, generator),
+        next_items, config, config.minutes, config.max_steps, save, "--max-steps")
+    model.eval()
+    save()
+    print(f"saved checkpoint to {config.out}")
+    if config.eval_per_family:
+        accuracy = evaluate(model, tokenizer, eval_examples(config.eval_per_family), mask_id=mask_id,
+                            stop_ids=[sdar["eos_token_id"], pad_id], block_size=SERVING_BLOCK_SIZE, show=3)
+        print(f"held-out accuracy, greedy, block {SERVING_BLOCK_SIZE}: "
+              + ", ".join(f"{family} {value:.2f}" for family, value in accuracy.items()))
+
+
+def optimize(model: Qwen3ForCausalLM, loss_fn, next_items, config: TrainConfig, minutes: float,
+             max_steps: int | None, save, steps_flag: str) -> None:
+    """AdamW with warm-up and cosine decay over ``max_steps`` (default: estimated from the
+    speed of the first steps to fill ``minutes``); stops at the step count or the time."""
+    optimizer = make_optimizer(model, config)
+    total_steps = max_steps or 10**9
+    budget_s, started = minutes * 60, time.perf_counter()
     last_save, window_loss, window_tokens, window_start, step = started, 0.0, 0, started, 0
     while step < total_steps and time.perf_counter() - started < budget_s:
-        block_size = rng.choice(BLOCK_SIZES)
-        items = [data[i] for i in next(batch_iter)]
-        loss, num_tokens = block_diffusion_loss(model, items, block_size, pad_id, mask_id,
-                                                config.mask_eps, generator)
+        loss, num_tokens = loss_fn(next_items())
         for group in optimizer.param_groups:
             group["lr"] = learning_rate(step, total_steps, config)
         optimizer.zero_grad(set_to_none=True)
@@ -284,9 +334,9 @@ def train(config: TrainConfig, size: ModelSize) -> None:
         step += 1
         window_loss, window_tokens = window_loss + loss.item(), window_tokens + num_tokens
         now = time.perf_counter()
-        if step == config.estimate_after and config.max_steps is None:
+        if step == config.estimate_after and max_steps is None:
             total_steps = int(step * budget_s / (now - started))
-            print(f"cosine schedule set to {total_steps} steps (pass --max-steps {total_steps} to reproduce)")
+            print(f"cosine schedule set to {total_steps} steps (pass {steps_flag} {total_steps} to reproduce)")
         if step % config.log_every == 0:
             print(f"step {step:6d}  loss {window_loss / config.log_every:.4f}  "
                   f"lr {optimizer.param_groups[0]['lr']:.2e}  "
@@ -294,17 +344,9 @@ def train(config: TrainConfig, size: ModelSize) -> None:
                   f"elapsed {now - started:6.0f}s", flush=True)
             window_loss, window_tokens, window_start = 0.0, 0, now
         if now - last_save > config.checkpoint_minutes * 60:
-            save_checkpoint(model, tokenizer, sdar, config.out)
+            save()
             last_save = now
     print(f"trained {step} steps in {time.perf_counter() - started:.0f}s")
-    model.eval()
-    save_checkpoint(model, tokenizer, sdar, config.out)
-    print(f"saved checkpoint to {config.out}")
-    if config.eval_per_family:
-        accuracy = evaluate(model, tokenizer, eval_examples(config.eval_per_family), mask_id=mask_id,
-                            stop_ids=[sdar["eos_token_id"], pad_id], block_size=SERVING_BLOCK_SIZE, show=3)
-        print(f"held-out accuracy, greedy, block {SERVING_BLOCK_SIZE}: "
-              + ", ".join(f"{family} {value:.2f}" for family, value in accuracy.items()))
 
 
 def main() -> None:
@@ -318,6 +360,11 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=TrainConfig.batch_size)
     parser.add_argument("--lr", type=float, default=TrainConfig.lr)
     parser.add_argument("--eval-per-family", type=int, default=TrainConfig.eval_per_family)
+    parser.add_argument("--ar-minutes", type=float, default=0.0,
+                        help="autoregressive warm start before block-diffusion training")
+    parser.add_argument("--ar-max-steps", type=int, default=None)
+    parser.add_argument("--block-sizes", type=int, nargs="+", default=list(BLOCK_SIZES),
+                        help="block sizes drawn uniformly per batch")
     parser.add_argument("--init", type=Path, default=None,
                         help="continue from the weights of a checkpoint this script saved")
     for field, default in asdict(ModelSize()).items():
@@ -326,7 +373,9 @@ def main() -> None:
     size = ModelSize(**{field: getattr(args, field) for field in asdict(ModelSize())})
     config = TrainConfig(out=args.out, minutes=args.minutes, seed=args.seed, threads=args.threads,
                          max_steps=args.max_steps, batch_size=args.batch_size, lr=args.lr,
-                         eval_per_family=args.eval_per_family, init=args.init)
+                         eval_per_family=args.eval_per_family, init=args.init,
+                         ar_minutes=args.ar_minutes, ar_max_steps=args.ar_max_steps,
+                         block_sizes=tuple(args.block_sizes))
     train(config, size)
 
 
