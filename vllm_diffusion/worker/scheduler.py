@@ -42,7 +42,6 @@ def committed_after_step(num_computed: int, num_scheduled: int, num_tokens: int,
     return end // block_size * block_size
 
 
-
 def attach_step_maps(outputs: dict[int, Any], requests: dict[str, Any]) -> None:
     """Put each asking request's step map so far (one entry per output token) into its
     output's ``kv_transfer_params["diffusion_step_map"]``, the one free-form per-request
