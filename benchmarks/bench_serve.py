@@ -18,12 +18,12 @@ import subprocess
 DATASETS = ("random", "sharegpt")
 
 
-def write_sharegpt(path: pathlib.Path, per_family: int) -> None:
-    from vllm_diffusion.quality.corpus import eval_examples
+def write_sharegpt(path: pathlib.Path, num_conversations: int) -> None:
+    from vllm_diffusion.quality.corpus import mixed_eval_examples
 
     conversations = [{"id": str(i), "conversations": [
         {"from": "human", "value": e.prompt}, {"from": "gpt", "value": e.answer}]}
-        for i, e in enumerate(eval_examples(per_family))]
+        for i, e in enumerate(mixed_eval_examples(num_conversations))]
     path.write_text(json.dumps(conversations))
 
 
@@ -94,7 +94,7 @@ def main() -> None:
     out_dir = pathlib.Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     sharegpt = out_dir / "sharegpt_eval.json"
-    write_sharegpt(sharegpt, per_family=max(1, args.num_prompts // 7 + 1))
+    write_sharegpt(sharegpt, args.num_prompts)
     summary = []
     with vllm_server(model, "--diffusion-policy", args.policy, "--enforce-eager",
                      "--additional-config", json.dumps({"diffusion_block_size": args.block_size}),

@@ -46,15 +46,6 @@ def run_cell(llm, prompts: list[str], max_tokens: int, options: dict) -> dict:
             "texts": [o.outputs[0].text for o in outputs]}
 
 
-def mixed_workload(per_family: int) -> list:
-    """Evaluation examples with the task families interleaved, so any prefix is a mix."""
-    from vllm_diffusion.quality.corpus import CHECKED_FAMILIES, eval_examples
-
-    examples = eval_examples(per_family)
-    by_family = [[e for e in examples if e.family == f] for f in CHECKED_FAMILIES]
-    return [group[i] for i in range(per_family) for group in by_family]
-
-
 def median_of_rounds(rounds: list[dict]) -> dict:
     """One cell's result: the work counters of the first round (greedy decoding repeats
     them exactly) and the median throughput, with every round's throughput listed."""
@@ -104,11 +95,11 @@ def main() -> None:
 
     from vllm_diffusion.default_model import default_model_path
     from vllm_diffusion.offline import diffusion_llm
-    from vllm_diffusion.quality.corpus import CHECKED_FAMILIES, score
+    from vllm_diffusion.quality.corpus import mixed_eval_examples, score
     from vllm_diffusion.quality.harness import chat_prompts
 
     model = str(args.model or default_model_path())
-    examples = mixed_workload(-(-max(args.batch_sizes) // len(CHECKED_FAMILIES)))
+    examples = mixed_eval_examples(max(args.batch_sizes))
     options = {"strategy": "threshold", "threshold": args.threshold}
     rounds: dict[tuple[int, int, str], list[dict]] = {}
     for block in args.block_sizes:

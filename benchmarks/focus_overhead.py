@@ -44,7 +44,7 @@ def main() -> None:
     from vllm_diffusion.attention import eviction, importance
     from vllm_diffusion.default_model import default_model_path
     from vllm_diffusion.offline import diffusion_llm
-    from vllm_diffusion.quality.corpus import eval_examples
+    from vllm_diffusion.quality.corpus import mixed_eval_examples
     from vllm_diffusion.quality.harness import chat_prompts
 
     totals: collections.Counter = collections.Counter()
@@ -60,8 +60,7 @@ def main() -> None:
     with diffusion_llm(model, diffusion_block_size=args.block_size, max_model_len=1024,
                        max_num_seqs=args.batch_size,
                        additional_config={"diffusion_policy": "focus"}) as llm:
-        prompts = chat_prompts(llm.get_tokenizer(),
-                               eval_examples(args.batch_size // 7 + 1))[:args.batch_size]
+        prompts = chat_prompts(llm.get_tokenizer(), mixed_eval_examples(args.batch_size))
         params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
         llm.generate(prompts[:2], params, use_tqdm=False)  # warm-up
         totals.clear()

@@ -31,7 +31,7 @@ def main() -> None:
 
     from vllm_diffusion.default_model import default_model_path
     from vllm_diffusion.offline import diffusion_llm, stats_delta
-    from vllm_diffusion.quality.corpus import eval_examples
+    from vllm_diffusion.quality.corpus import mixed_eval_examples
     from vllm_diffusion.quality.harness import chat_prompts
 
     model = str(args.model or default_model_path())
@@ -39,8 +39,7 @@ def main() -> None:
                        max_num_seqs=args.max_num_seqs,
                        additional_config={"diffusion_policy": args.policy,
                                           **json.loads(args.options)}) as llm:
-        prompts = chat_prompts(llm.get_tokenizer(),
-                               eval_examples(args.num_prompts // 7 + 1))[:args.num_prompts]
+        prompts = chat_prompts(llm.get_tokenizer(), mixed_eval_examples(args.num_prompts))
         before = llm.collective_rpc("diffusion_stats")[0]
         start = time.perf_counter()
         outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=args.max_tokens),

@@ -55,6 +55,13 @@ def test_eval_prompts_never_appear_in_training():
     assert all(corpus.is_eval_problem(example.family, example.answer) for example in held_out)
 
 
+def test_mixed_workload_interleaves_the_families():
+    mixed = corpus.mixed_eval_examples(10)
+    families = corpus.CHECKED_FAMILIES
+    assert [e.family for e in mixed] == list(families) + list(families[:3])
+    assert set(mixed) <= set(corpus.eval_examples(2))
+
+
 def test_unknown_family_and_filler_eval_are_rejected():
     with pytest.raises(ValueError):
         corpus.generate_examples(1, seed=0, families=("poetry",))

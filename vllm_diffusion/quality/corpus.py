@@ -293,6 +293,16 @@ def eval_examples(n_per_family: int, families: tuple[str, ...] = CHECKED_FAMILIE
     return examples
 
 
+def mixed_eval_examples(n: int) -> list[Example]:
+    """``n`` held-out examples with the checked families interleaved, so that any prefix
+    of the list is a mix of families (a workload for benchmarks)."""
+    per_family = -(-n // len(CHECKED_FAMILIES))
+    examples = eval_examples(per_family)
+    by_family = [examples[i * per_family:(i + 1) * per_family]
+                 for i in range(len(CHECKED_FAMILIES))]
+    return [group[i] for i in range(per_family) for group in by_family][:n]
+
+
 # -------------------------------------------------------------------- scoring
 _FINAL_NUMBER = re.compile(r"The answer is (-?\d+)")
 
