@@ -2,8 +2,9 @@
 
 For each block size and each policy option set, generates greedily for every evaluation
 problem (chat template), scores exact match per task family, and reports accuracy next to
-tokens committed per denoising step, block positions computed per committed token and
-wall time, as JSON.
+tokens committed per denoising step, block positions computed per committed token (through
+layers 0-1, and through the later layers after a policy's eviction), all positions computed
+per committed token (prompt prefill and block commits included) and wall time, as JSON.
 
     python -m vllm_diffusion.quality.harness --block-sizes 4 8 16 32 \
         --options '{"threshold": 0.9}' '{"threshold": 0.7}' --per-family 20
@@ -58,6 +59,7 @@ def evaluate(llm: Any, examples: list, options: dict[str, Any], max_tokens: int)
         "block_positions_per_committed_token": stats["block_positions_per_committed_token"],
         "later_layer_positions_per_committed_token":
             stats["later_layer_positions_per_committed_token"],
+        "all_positions_per_committed_token": stats["positions_per_committed_token"],
         "denoising_steps_per_block": stats["denoising_steps_per_block"],
         "wall_time_s": round(wall, 3),
         "samples": [{"prompt": e.prompt, "expected": e.answer, "got": o.outputs[0].text}
