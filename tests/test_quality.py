@@ -1,0 +1,64 @@
+"""The embedded trained checkpoint, through the quality harness (CI-sized).
+
+The standard policy, greedy, on the held-out evaluation split is far above chance: an
+exact-match answer (a sorted list, a spelled word, a JSON object, the final number of a
+worked sum) is essentially never produced by guessing, so the bounds below are well above
+zero yet under what the committed checkpoint reaches (the README quotes its full-harness
+accuracy). FOCUS on the same prompts keeps most of that accuracy while sending fewer block
+positions through the layers after its eviction point.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from vllm_diffusion.default_model import TRAINED_CHECKPOINT
+from vllm_diffusion.quality.harness import INSTRUCTION_FAMILIES, run
+
+PER_FAMILY = 10
+
+pytestmark = pytest.mark.skipif(not (TRAINED_CHECKPOINT / "model.safetensors").exists(),
+                                reason="the trained checkpoint is not in this checkout")
+
+
+# FOCUS's default unmasking (the paper's), and the same rule without eviction.
+FOCUS = {"diffusion_policy": "focus"}
+STANDARD_LIKE_FOCUS = {"strategy": "threshold", "threshold": 0.8}
+
+
+@pytest.fixture(scope="module")
+def runs() -> dict[tuple[int, str], dict]:
+    results = run(str(TRAINED_CHECKPOINT), [4, 16], [{}, STANDARD_LIKE_FOCUS, FOCUS], PER_FAMILY)
+    return {(r["block_size"], json.dumps(r["options"], sort_keys=True)): r for r in results}
+
+
+def pick(runs, block_size: int, options: dict) -> dict:
+    return runs[block_size, json.dumps(options, sort_keys=True)]
+
+
+def test_standard_greedy_is_far_above_chance(runs):
+    standard = pick(runs, 4, {})
+    assert standard["requests"] == PER_FAMILY * (len(INSTRUCTION_FAMILIES) + 1)
+    assert standard["accuracy"]["arithmetic"] >= 0.5, standard["accuracy"]
+    assert standard["instruction_accuracy"] >= 0.45, standard["accuracy"]
+    assert standard["accuracy"]["repeat"] >= 0.8, standard["accuracy"]
+
+
+def test_harness_reports_the_work_done(runs):
+    standard = pick(runs, 4, {})
+    # Block 4: at least one token per step, at most the block per step.
+    assert 1.0 <= standard["tokens_committed_per_denoising_step"] <= 4.0
+    assert standard["block_positions_per_committed_token"] >= 1.0
+    assert (standard["later_layer_positions_per_committed_token"]
+            == standard["block_positions_per_committed_token"])
+    assert standard["output_tokens"] > 0 and standard["wall_time_s"] > 0
+
+
+def test_focus_keeps_accuracy_with_less_later_layer_work(runs):
+    standard, focus = pick(runs, 16, STANDARD_LIKE_FOCUS), pick(runs, 16, FOCUS)
+    assert (focus["later_layer_positions_per_committed_token"]
+            < standard["later_layer_positions_per_committed_token"])
+    total = lambda r: sum(r["accuracy"].values())  # noqa: E731
+    assert total(focus) >= 0.7 * total(standard), (focus["accuracy"], standard["accuracy"])
