@@ -5,7 +5,9 @@ position at every step the importance delta (I(layer 1) - I(layer 0), FOCUS Eq. 
 raw layer-1 importance, and whether the position was decoded that step. Each score is
 turned into a percentile rank among the candidates of its own step (the ranking FOCUS
 selects by); the report gives the decode rate and the share of decoded tokens per
-percentile bin, and the ROC AUC of each score as a predictor of decoding.
+percentile bin, and the ROC AUC of each score as a predictor of decoding: over all
+candidates, and over the answer's own positions only (``answer_positions``: up to the
+answer's end token; the block positions after it decode as end-of-text filler, in bulk).
 
     python benchmarks/decodability_study.py [--model DIR] [--block-size 32]
 """
@@ -70,23 +72,40 @@ def analyse(records: list[dict[str, list]]) -> dict:
     return report
 
 
+def answer_positions_only(records: list[dict], answer_ends: dict[str, int]) -> list[dict]:
+    """The records cut to candidates before each request's answer end (an absolute position).
+
+    The runner knows engine request ids (the ``LLM`` id plus a suffix vLLM appends)."""
+    kept = []
+    for record in records:
+        request = record["req_id"].rsplit("-", 1)[0]
+        if request not in answer_ends:
+            raise KeyError(f"no output for engine request {record['req_id']!r}")
+        inside = [i for i, p in enumerate(record["positions"]) if p < answer_ends[request]]
+        kept.append({key: [record[key][i] for i in inside]
+                     for key in ("positions", "delta", "layer1", "decoded")})
+    return kept
+
+
 def plot(report: dict, path: pathlib.Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(10, 4), sharey=True)
-    for ax, metric, title in zip(axes, ("delta", "layer1"),
-                                 ("importance delta I1 - I0", "raw layer-1 importance")):
-        bins = report[metric]["bins"]
-        rates = [b["decode_rate"] or 0.0 for b in bins]
-        ax.bar([b["bin"] for b in bins], rates, color="tab:green")
-        ax.axhline(report["base_decode_rate"], color="grey", linestyle="--", label="all")
-        ax.set_title(f"{title}\nAUC {report[metric]['auc_within_step_rank']:.3f}")
-        ax.set_xlabel("percentile within step")
-    axes[0].set_ylabel("decoded this step")
-    axes[0].legend()
+    fig, axes = plt.subplots(2, 2, figsize=(10, 7), sharey=True)
+    for row, (part, label) in zip(axes, ((report, "all candidates"),
+                                         (report["answer_positions"], "answer positions"))):
+        for ax, metric, title in zip(row, ("delta", "layer1"),
+                                     ("importance delta I1 - I0", "raw layer-1 importance")):
+            bins = part[metric]["bins"]
+            ax.bar([b["bin"] for b in bins], [b["decode_rate"] or 0.0 for b in bins],
+                   color="tab:green")
+            ax.axhline(part["base_decode_rate"], color="grey", linestyle="--", label="mean")
+            ax.set_title(f"{title}, {label}\nAUC {part[metric]['auc_within_step_rank']:.3f}")
+            ax.set_xlabel("percentile within step")
+        row[0].set_ylabel("decoded this step")
+    axes[0][0].legend()
     fig.suptitle(f"Decodability vs importance ({report['model_name']}, block {report['block_size']})")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -115,19 +134,25 @@ def main() -> None:
                                  "threshold": args.threshold})
     prompts = chat_prompts(llm.get_tokenizer(), eval_examples(args.per_family))
     llm.collective_rpc("start_importance_recording")
-    llm.generate(prompts, SamplingParams(temperature=0, max_tokens=128), use_tqdm=False)
+    outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=128),
+                           use_tqdm=False)
     records = llm.collective_rpc("take_importance_records")[0]
+    answer_ends = {o.request_id: len(o.prompt_token_ids) + len(o.outputs[0].token_ids)
+                   for o in outputs}
     report = {"model": model, "model_name": pathlib.Path(model).name,
               "block_size": args.block_size, "threshold": args.threshold,
-              "prompts": len(prompts), **analyse(records)}
+              "prompts": len(prompts), **analyse(records),
+              "answer_positions": analyse(answer_positions_only(records, answer_ends))}
     out = pathlib.Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2) + "\n")
     plot(report, pathlib.Path(args.plot))
-    print(json.dumps({k: v for k, v in report.items() if k not in ("delta", "layer1")}, indent=2))
-    for metric in ("delta", "layer1"):
-        print(metric, "AUC", round(report[metric]["auc_within_step_rank"], 3),
-              [b["decode_rate"] and round(b["decode_rate"], 3) for b in report[metric]["bins"]])
+    for part, label in ((report, "all candidates"), (report["answer_positions"], "answer positions")):
+        print(f"{label}: " + json.dumps({k: v for k, v in part.items()
+                                          if k in ("steps", "candidates", "decoded", "base_decode_rate")}))
+        for metric in ("delta", "layer1"):
+            print(f"  {metric} AUC {part[metric]['auc_within_step_rank']:.3f}, decode rate by bin",
+                  [b["decode_rate"] and round(b["decode_rate"], 3) for b in part[metric]["bins"]])
 
 
 if __name__ == "__main__":

@@ -85,6 +85,7 @@ def test_engine_records_the_reference_importance_delta(dense_checkpoint):
     # sequential decodes one position per step: 5 steps over the first block's 5 masks.
     assert [len(r["decoded"]) for r in records] == [5, 4, 3, 2, 1]
     assert all(r["decoded"][0] and sum(r["decoded"]) == 1 for r in records)
+    assert [r["positions"] for r in records] == [list(range(11 + i, 16)) for i in range(5)]
 
     reference = ReferenceSDAR(dense_checkpoint)
     tokens = torch.tensor(prompt + [mask_id] * 5)

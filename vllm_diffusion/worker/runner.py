@@ -71,8 +71,9 @@ class DiffusionRunnerMixin:
         self.block_canvases: dict[str, BlockCanvas] = {}
         self.focus_states: dict[str, FocusRequestState] = {}
         self.diffusion_stats = DiffusionStats()
-        # When a list: one entry per (request, step) with the importance delta, raw layer-1
-        # importance and decoded flag of every masked position (the decodability study).
+        # When a list: one entry per (request, step) with the absolute position, importance
+        # delta, raw layer-1 importance and decoded flag of every masked position (the
+        # decodability study).
         self.importance_records: list[dict[str, list]] | None = None
 
     def execute_model(self, scheduler_output: Any, intermediate_tensors: Any = None):
@@ -217,7 +218,7 @@ class DiffusionRunnerMixin:
             commit = self.diffusion.policy.choose_commits(
                 full_confidence, masked & eligible, canvas.steps, block, canvas.policy_config)
             if probe is not None and self.importance_records is not None:
-                self._record_importance(probe, request_index, masked, commit)
+                self._record_importance(probe, request_index, r, masked, commit)
             canvas.commit(commit, proposals)
             if self.focus:
                 self.focus_states[r.req_id].after_step(masked, eligible, int(commit.sum()))
@@ -236,13 +237,15 @@ class DiffusionRunnerMixin:
             stats.blocks_completed += int(not bool((canvas.tokens == mask_id).any()))
         return sampled, step_maps
 
-    def _record_importance(self, probe: ImportanceProbe, request_index: int,
+    def _record_importance(self, probe: ImportanceProbe, request_index: int, r: RequestRows,
                            masked: torch.Tensor, commit: torch.Tensor) -> None:
         scores = probe.delta(request_index)
         if scores is None:
             return
         delta, layer1 = scores
         self.importance_records.append({
+            "req_id": r.req_id,
+            "positions": (r.canvas.start + torch.nonzero(masked).flatten()).tolist(),
             "delta": delta.tolist(), "layer1": layer1.tolist(),
             "decoded": commit[masked].tolist()})
 
