@@ -87,6 +87,11 @@ def answer_positions_only(records: list[dict], answer_ends: dict[str, int]) -> l
     return kept
 
 
+def parts(report: dict) -> tuple[tuple[dict, str], ...]:
+    """The two analyses of a report, with their labels."""
+    return (report, "all candidates"), (report["answer_positions"], "answer positions")
+
+
 def plot(report: dict, path: pathlib.Path) -> None:
     import matplotlib
 
@@ -94,8 +99,7 @@ def plot(report: dict, path: pathlib.Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(2, 2, figsize=(10, 7), sharey=True)
-    for row, (part, label) in zip(axes, ((report, "all candidates"),
-                                         (report["answer_positions"], "answer positions"))):
+    for row, (part, label) in zip(axes, parts(report)):
         for ax, metric, title in zip(row, ("delta", "layer1"),
                                      ("importance delta I1 - I0", "raw layer-1 importance")):
             bins = part[metric]["bins"]
@@ -147,7 +151,7 @@ def main() -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2) + "\n")
     plot(report, pathlib.Path(args.plot))
-    for part, label in ((report, "all candidates"), (report["answer_positions"], "answer positions")):
+    for part, label in parts(report):
         print(f"{label}: " + json.dumps({k: v for k, v in part.items()
                                           if k in ("steps", "candidates", "decoded", "base_decode_rate")}))
         for metric in ("delta", "layer1"):

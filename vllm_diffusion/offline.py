@@ -48,5 +48,5 @@ def stats_delta(before: dict[str, int], after: dict[str, int]) -> dict[str, floa
     stats["later_layer_positions_per_committed_token"] = (
         stats["block_positions_after_eviction"] / committed)
     # Every row the model computed (prompt prefill and block commits included).
-    stats["positions_per_committed_token"] = stats["positions_computed"] / committed
+    stats["all_positions_per_committed_token"] = stats["positions_computed"] / committed
     return stats

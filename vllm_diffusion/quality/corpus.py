@@ -298,9 +298,8 @@ def mixed_eval_examples(n: int) -> list[Example]:
     of the list is a mix of families (a workload for benchmarks)."""
     per_family = -(-n // len(CHECKED_FAMILIES))
     examples = eval_examples(per_family)
-    by_family = [examples[i * per_family:(i + 1) * per_family]
-                 for i in range(len(CHECKED_FAMILIES))]
-    return [group[i] for i in range(per_family) for group in by_family][:n]
+    by_family = [examples[i:i + per_family] for i in range(0, len(examples), per_family)]
+    return [example for row in zip(*by_family) for example in row][:n]
 
 
 # -------------------------------------------------------------------- scoring

@@ -59,7 +59,7 @@ def evaluate(llm: Any, examples: list, options: dict[str, Any], max_tokens: int)
         "block_positions_per_committed_token": stats["block_positions_per_committed_token"],
         "later_layer_positions_per_committed_token":
             stats["later_layer_positions_per_committed_token"],
-        "all_positions_per_committed_token": stats["positions_per_committed_token"],
+        "all_positions_per_committed_token": stats["all_positions_per_committed_token"],
         "denoising_steps_per_block": stats["denoising_steps_per_block"],
         "wall_time_s": round(wall, 3),
         "samples": [{"prompt": e.prompt, "expected": e.answer, "got": o.outputs[0].text}
