@@ -138,14 +138,3 @@ def test_client_disconnect_mid_stream_frees_the_request(server):
     assert requests.post(f"{server['url']}/v1/chat/completions", json=chat_body(server),
                          timeout=60).status_code == 200
 
-
-def test_focus_server_reports_fewer_positions_after_eviction(dense_checkpoint, tmp_path):
-    with vllm_server(dense_checkpoint, "--diffusion-policy", "focus", "--enforce-eager",
-                     "--additional-config", json.dumps({"diffusion_block_size": BLOCK_SIZE}),
-                     "--max-model-len", "512", log_path=tmp_path / "serve.log") as url:
-        server = {"url": url, "model": str(dense_checkpoint)}
-        body = chat_body(server, max_tokens=48, vllm_xargs={"threshold": 0.7})
-        requests.post(f"{url}/v1/chat/completions", json=body, timeout=60).raise_for_status()
-        positions = metric(url, "vllm:diffusion_num_canvas_positions_total")
-        later = metric(url, "vllm:diffusion_num_positions_after_eviction_total")
-    assert 0 < later < positions

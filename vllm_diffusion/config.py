@@ -51,6 +51,9 @@ class DiffusionEngineConfig:
         if not extra_args:
             return self.policy_config
         source = "request extra_args (vllm_xargs)"
+        if not isinstance(extra_args, Mapping):
+            raise OptionError(f"{source} must be a mapping of option names to values, "
+                              f"got {type(extra_args).__name__}")
         overrides = dict(extra_args)
         for name, rule in _REQUEST_RULES.items():
             if name in overrides:
@@ -63,7 +66,7 @@ class DiffusionEngineConfig:
                 f"got {requested!r}"
             )
         valid = set(option_names(self.policy.config_cls)) | set(REQUEST_KEYS)
-        unknown = sorted(set(overrides) - valid)
+        unknown = sorted(set(overrides) - valid, key=repr)
         if unknown:
             raise OptionError(
                 f"{source}: unknown option(s) {', '.join(map(repr, unknown))}; valid "
@@ -117,7 +120,7 @@ def parse_engine_options(values: Mapping[str, Any], *, config_block_size: int | 
     mask_token_id = Rule(int, low=0, high=vocab_size - 1).check(
         "mask_token_id", mask_token_id, source)
     valid = set(ENGINE_KEYS) | set(option_names(policy.config_cls))
-    unknown = sorted(set(values) - valid)
+    unknown = sorted(set(values) - valid, key=repr)
     if unknown:
         raise OptionError(
             f"{source}: unknown option(s) {', '.join(map(repr, unknown))}; valid options "

@@ -12,6 +12,10 @@
 4. Step maps: when a stop string ends the output inside a step, the detokenizer drops the
    surplus tokens; the request's step map (``kv_transfer_params["diffusion_step_map"]``,
    one entry per output token) is cut to match.
+5. Offline recovery: when ``LLM.generate`` (or any call that runs the in-process engine)
+   raises, the requests it left unfinished are aborted, so their KV pages and diffusion
+   state are freed and the next call starts clean instead of resuming half-stepped
+   requests.
 The wrappers leave every other model untouched.
 """
 
@@ -27,6 +31,7 @@ def install() -> None:
     _install_request_validation()
     _install_diffusion_metric_names()
     _install_step_map_trimming()
+    _install_offline_recovery()
 
 
 def _install_cli_flag() -> None:
@@ -175,3 +180,25 @@ def _install_step_map_trimming() -> None:
             params[STEP_MAP_KEY] = params[STEP_MAP_KEY][:num_tokens]
 
     OutputProcessor._trim_surplus_tokens = staticmethod(trim_surplus_tokens_and_step_map)
+
+
+def _install_offline_recovery() -> None:
+    from vllm.entrypoints.common.offline import OfflineInferenceMixin
+
+    if getattr(OfflineInferenceMixin, _INSTALLED_FLAG, False):
+        return
+    setattr(OfflineInferenceMixin, _INSTALLED_FLAG, True)
+    run_engine = OfflineInferenceMixin._run_engine
+
+    def run_engine_and_abort_on_failure(self, *args, **kwargs):
+        try:
+            return run_engine(self, *args, **kwargs)
+        except BaseException:
+            engine = self.llm_engine
+            if _serves_diffusion_model(engine.vllm_config):
+                unfinished = list(engine.output_processor.request_states)
+                if unfinished:
+                    engine.abort_request(unfinished, internal=True)
+            raise
+
+    OfflineInferenceMixin._run_engine = run_engine_and_abort_on_failure

@@ -8,6 +8,7 @@ with a message that names the option and what is valid.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Mapping
 from typing import Any, TypeVar
 
@@ -45,7 +46,11 @@ class Rule:
                 return None
             raise OptionError(f"{source}: option '{name}' must be {self.describe()}, got null")
         if self.kind is float and isinstance(value, int) and not isinstance(value, bool):
-            value = float(value)
+            try:
+                value = float(value)
+            except OverflowError:
+                raise OptionError(f"{source}: option '{name}' must be {self.describe()}, "
+                                  f"got an integer too large for a float") from None
         if isinstance(value, str) and self.kind is bool and value.lower() in ("true", "false"):
             value = value.lower() == "true"
         # The OpenAI server's vllm_xargs holds str | int | float: a JSON true arrives as 1.
@@ -59,6 +64,11 @@ class Rule:
         if not isinstance(value, self.kind) or (self.kind is int and isinstance(value, bool)):
             raise OptionError(
                 f"{source}: option '{name}' must be {self.describe()}, got {value!r}"
+            )
+        # NaN compares false with every bound, so range checks alone would admit it.
+        if self.kind is float and not math.isfinite(value):
+            raise OptionError(
+                f"{source}: option '{name}' must be a finite {self.describe()}, got {value!r}"
             )
         if self.choices is not None and value not in self.choices:
             raise OptionError(
@@ -89,7 +99,7 @@ def parse_options(cls: type[T], values: Mapping[str, Any], *, source: str,
     ``base`` supplies the values of fields that ``values`` does not mention.
     """
     known = {f.name: f for f in dataclasses.fields(cls)}
-    unknown = sorted(set(values) - set(known))
+    unknown = sorted(set(values) - set(known), key=repr)
     if unknown:
         raise OptionError(
             f"{source}: unknown option(s) {', '.join(map(repr, unknown))}; "

@@ -6,15 +6,19 @@ with an error naming it (HTTP 400 from the server); nothing is silently ignored.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
 from vllm.exceptions import VLLMValidationError
 
-from vllm_diffusion.config import DiffusionEngineConfig
+from vllm_diffusion.config import DiffusionEngineConfig, wants_step_map
 from vllm_diffusion.options import OptionError
 
 _EPS = 1e-5
+# torch.Generator.manual_seed accepts exactly this range; a seed outside it would raise
+# in the worker when the request's generator is built.
+_SEED_RANGE = (-(2**63), 2**64 - 1)
 
 # (attribute, predicate saying the value is in use, why it is not supported)
 _UNSUPPORTED: tuple[tuple[str, Any, str], ...] = (
@@ -35,7 +39,23 @@ _UNSUPPORTED: tuple[tuple[str, Any, str], ...] = (
 )
 
 
+def _check_numbers(params: Any) -> None:
+    """Every float sampling value is finite (NaN passes any range check) and the seed fits
+    the generator."""
+    for name in params.__struct_fields__:
+        value = getattr(params, name, None)
+        if isinstance(value, float) and not math.isfinite(value):
+            raise VLLMValidationError(f"{name} must be a finite number, got {value!r}",
+                                      parameter=name, value=value)
+    seed = params.seed
+    if seed is not None and not _SEED_RANGE[0] <= seed <= _SEED_RANGE[1]:
+        raise VLLMValidationError(
+            f"seed must be an integer in [{_SEED_RANGE[0]}, {_SEED_RANGE[1]}], got {seed}",
+            parameter="seed", value=seed)
+
+
 def validate_sampling_params(params: Any, config: DiffusionEngineConfig) -> None:
+    _check_numbers(params)
     for name, in_use, what in _UNSUPPORTED:
         value = getattr(params, name, None)
         if value is not None and in_use(value):
@@ -48,6 +68,13 @@ def validate_sampling_params(params: Any, config: DiffusionEngineConfig) -> None
         config.request_policy_config(params.extra_args)
     except OptionError as err:
         raise VLLMValidationError(str(err), parameter="extra_args") from err
+    if params.n > 1 and wants_step_map(params.extra_args):
+        # vLLM's responses keep only the first choice's kv_transfer_params, which carry
+        # the step map: the other choices' maps would be lost.
+        raise VLLMValidationError(
+            f"return_step_map requires n=1 (got n={params.n}): the step map travels in "
+            "kv_transfer_params, which the response carries for one choice only",
+            parameter="n", value=params.n)
 
 
 def validate_prompt_ids(prompt_ids: Sequence[int] | None,

@@ -34,7 +34,7 @@ class FocusPolicyConfig(StandardPolicyConfig):
 
     strategy: str = option("threshold", Rule(str, choices=STRATEGIES))
     threshold: float = option(0.8, Rule(float, low=0.0, high=1.0))  # the paper's setting
-    alpha: float = option(1.5, Rule(float, low=1.0, high=64.0))
+    alpha: float = option(1.5, Rule(float, low=1.0, high=64.0, low_inclusive=False))  # > 1 (paper)
     pool_kernel: int = option(3, Rule(int, low=1, high=15))
     evict: bool = option(True, Rule(bool))
     intra_block_cache: bool = option(True, Rule(bool))

@@ -26,10 +26,14 @@ import torch
 
 def token_budget(delta: torch.Tensor, mean_decoded: float, alpha: float,
                  block_size: int) -> int:
-    """delta: [n] importance deltas of the candidates (n >= 1)."""
+    """delta: [n] importance deltas of the candidates (n >= 1). Always in [1, block_size],
+    whatever the floats (a NaN delta counts for nothing, a non-finite product keeps the
+    whole block)."""
     threshold = delta.mean() + delta.std(unbiased=False)
     n_sigma = int((delta >= threshold).sum())
-    return min(block_size, max(math.ceil(alpha * mean_decoded), n_sigma))
+    wanted = alpha * mean_decoded
+    by_rate = math.ceil(wanted) if math.isfinite(wanted) and wanted < block_size else block_size
+    return max(1, min(block_size, max(by_rate, n_sigma)))
 
 
 def select_retained(delta: torch.Tensor, candidates: torch.Tensor, budget: int,

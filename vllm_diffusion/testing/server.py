@@ -37,6 +37,16 @@ def vllm_server(model: str | pathlib.Path, *args: str, startup_timeout: float = 
     On exit the server gets SIGINT and must stop within 60 s (else it is killed and the
     exit raises).
     """
+    with vllm_server_process(model, *args, startup_timeout=startup_timeout,
+                             log_path=log_path) as (url, _):
+        yield url
+
+
+@contextlib.contextmanager
+def vllm_server_process(model: str | pathlib.Path, *args: str, startup_timeout: float = 180.0,
+                        log_path: str | pathlib.Path | None = None
+                        ) -> Iterator[tuple[str, subprocess.Popen]]:
+    """``vllm_server`` that also yields the API server's process (for its resource use)."""
     port = free_port()
     command = [vllm_command(), "serve", str(model), "--host", "127.0.0.1", "--port", str(port),
                "--dtype", "float32", *args]
@@ -57,7 +67,7 @@ def vllm_server(model: str | pathlib.Path, *args: str, startup_timeout: float = 
             if time.monotonic() > deadline:
                 raise TimeoutError(f"vllm serve did not become healthy in {startup_timeout}s")
             time.sleep(1)
-        yield url
+        yield url, process
     finally:
         if process.poll() is None:
             process.send_signal(signal.SIGINT)

@@ -18,7 +18,7 @@ import torch
 
 from vllm.forward_context import set_forward_context
 from vllm.sampling_params import SamplingType
-from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
+from vllm.logger import init_logger
 
 from vllm_diffusion.attention.backend import BlockDiffusionMetadata
 from vllm_diffusion.attention.eviction import EvictionStep
@@ -26,6 +26,7 @@ from vllm_diffusion.attention.importance import ImportanceProbe
 from vllm_diffusion.config import engine_config_from_vllm, wants_step_map
 from vllm_diffusion.policies.focus import FocusPolicy, FocusRequestState
 from vllm_diffusion.worker.focus_step import candidate_rows, eviction_step, hidden_rows
+from vllm_diffusion.worker.outputs import DiffusionRunnerOutput, empty_output
 from vllm_diffusion.worker.sampling import propose_tokens
 from vllm_diffusion.worker.step_plan import (
     BlockCanvas,
@@ -34,6 +35,8 @@ from vllm_diffusion.worker.step_plan import (
     emit_final_tokens,
     plan_request,
 )
+
+logger = init_logger(__name__)
 
 
 @dataclasses.dataclass
@@ -79,38 +82,56 @@ class DiffusionRunnerMixin:
     def execute_model(self, scheduler_output: Any, intermediate_tensors: Any = None):
         self._update_states(scheduler_output)
         for req_id in scheduler_output.finished_req_ids:
-            self.block_canvases.pop(req_id, None)
-            self.focus_states.pop(req_id, None)
+            self._drop_request_state(req_id)
         if not scheduler_output.total_num_scheduled_tokens:
-            return EMPTY_MODEL_RUNNER_OUTPUT
+            return empty_output()
 
         req_ids = [r for r in self.input_batch.req_ids if r is not None]
-        rows = [self._plan(req_id, scheduler_output) for req_id in req_ids]
-        mask_id, device = self.diffusion.mask_token_id, self.device
-        eviction = (eviction_step(rows, self.focus_states, mask_id, self.diffusion.block_size,
-                                  device) if self.focus else None)
-        probe = eviction.probe if eviction is not None else (
-            ImportanceProbe(candidate_rows(rows, mask_id, device))
-            if self.importance_records is not None else None)
+        # Host-side policy work of one request (planning here, unmasking after the
+        # forward) that fails finishes only that request, with an error.
+        failed: dict[str, str] = {}
+        rows = []
+        for req_id in req_ids:
+            try:
+                rows.append(self._plan(req_id, scheduler_output))
+            except Exception as err:  # noqa: BLE001 - isolated to this request
+                failed[req_id] = self._fail_request(req_id, "planning its step", err)
         stats = self.diffusion_stats
         before = (stats.block_positions_computed, stats.block_positions_after_eviction)
-        hidden_states = self._forward(rows, probe, eviction)
-        sampled, step_maps = self._denoise(rows, hidden_states, probe, eviction)
+        sampled_by_id: dict[str, list[int]] = {}
+        step_maps: dict[str, list[int]] = {}
+        if rows:
+            mask_id, device = self.diffusion.mask_token_id, self.device
+            eviction = (eviction_step(rows, self.focus_states, mask_id,
+                                      self.diffusion.block_size, device)
+                        if self.focus else None)
+            probe = eviction.probe if eviction is not None else (
+                ImportanceProbe(candidate_rows(rows, mask_id, device))
+                if self.importance_records is not None else None)
+            hidden_states = self._forward(rows, probe, eviction)
+            sampled, step_maps = self._denoise(rows, hidden_states, probe, eviction, failed)
+            sampled_by_id = {r.req_id: tokens for r, tokens in zip(rows, sampled)}
         stats.engine_steps += 1
-        output = ModelRunnerOutput(
+        return DiffusionRunnerOutput(
             req_ids=req_ids,
             req_id_to_index={r: i for i, r in enumerate(req_ids)},
-            sampled_token_ids=sampled,
+            sampled_token_ids=[sampled_by_id.get(r, []) for r in req_ids],
+            block_positions=(stats.block_positions_computed - before[0],
+                             stats.block_positions_after_eviction - before[1]),
+            step_maps=step_maps,
+            failed_requests=failed,
         )
-        # This step's block positions through layers 0-1 and through the later layers, for
-        # the scheduler's metrics (an attribute: ModelRunnerOutput has no field for it).
-        output.diffusion_block_positions = (
-            stats.block_positions_computed - before[0],
-            stats.block_positions_after_eviction - before[1])
-        # For requests that asked (extra_args return_step_map): the denoising step that
-        # unmasked each token of sampled_token_ids, for the scheduler to accumulate.
-        output.diffusion_step_maps = step_maps
-        return output
+
+    def _drop_request_state(self, req_id: str) -> None:
+        self.block_canvases.pop(req_id, None)
+        self.focus_states.pop(req_id, None)
+
+    def _fail_request(self, req_id: str, doing: str, err: Exception) -> str:
+        """Forget a request whose policy work raised; the scheduler finishes it."""
+        logger.exception("vllm-diffusion: request %s failed while %s; finishing it with "
+                         "an error (other requests continue)", req_id, doing)
+        self._drop_request_state(req_id)
+        return f"{type(err).__name__} while {doing}: {err}"
 
     def _plan(self, req_id: str, scheduler_output: Any) -> RequestRows:
         state = self.requests[req_id]
@@ -178,9 +199,10 @@ class DiffusionRunnerMixin:
         return hidden_states
 
     def _denoise(self, rows: list[RequestRows], hidden_states: torch.Tensor,
-                 probe: ImportanceProbe | None,
-                 eviction: EvictionStep | None) -> tuple[list[list[int]], dict[str, list[int]]]:
-        block = self.diffusion.block_size
+                 probe: ImportanceProbe | None, eviction: EvictionStep | None,
+                 failed: dict[str, str]) -> tuple[list[list[int]], dict[str, list[int]]]:
+        """Unmask each request's block from its rows' logits; a request whose unmasking
+        raises is recorded in ``failed`` and outputs nothing."""
         mask_id = self.diffusion.mask_token_id
         num_rows = sum(len(r.positions) for r in rows)
         surviving, out_rows = hidden_rows(rows, eviction, num_rows)
@@ -197,45 +219,65 @@ class DiffusionRunnerMixin:
             if positions is None:
                 sampled.append([])
                 continue
-            state = self.requests[r.req_id]
-            params = state.sampling_params
             rows_of_request = slice(offset, offset + len(positions))
             offset += len(positions)
-            if params.sampling_type == SamplingType.GREEDY:
-                tokens, confidence = greedy_tokens[rows_of_request], greedy_confidence[rows_of_request]
-            else:
-                tokens, confidence = propose_tokens(
-                    logits[rows_of_request], mask_id, params.temperature, params.top_k,
-                    params.top_p, state.generator)
-            canvas = r.canvas
-            masked = canvas.tokens == mask_id
-            eligible = torch.zeros(block, dtype=torch.bool)
-            eligible[positions] = True
-            full_confidence = torch.full((block,), float("-inf"))
-            full_confidence[positions] = confidence.cpu()
-            proposals = torch.full((block,), mask_id, dtype=torch.long)
-            proposals[positions] = tokens.cpu()
-            commit = self.diffusion.policy.choose_commits(
-                full_confidence, masked & eligible, canvas.steps, block, canvas.policy_config)
-            if probe is not None and self.importance_records is not None:
-                self._record_importance(probe, request_index, r, masked, commit)
-            canvas.commit(commit, proposals)
-            if self.focus:
-                self.focus_states[r.req_id].after_step(masked, eligible, int(commit.sum()))
-            num_known = len(state.prompt_token_ids) + len(state.output_token_ids)
-            final = truncate_at_stop(emit_final_tokens(canvas, num_known, mask_id),
-                                     params, len(state.output_token_ids))
-            if wants_step_map(params.extra_args):
-                step_maps[r.req_id] = decode_steps(canvas, num_known, len(final))
-            state.output_token_ids.extend(final)
+            try:
+                final, step_map = self._unmask(request_index, r, positions,
+                                               logits[rows_of_request],
+                                               greedy_tokens[rows_of_request],
+                                               greedy_confidence[rows_of_request], probe)
+            except Exception as err:  # noqa: BLE001 - isolated to this request
+                failed[r.req_id] = self._fail_request(r.req_id, "unmasking its block", err)
+                sampled.append([])
+                continue
+            if step_map is not None:
+                step_maps[r.req_id] = step_map
             sampled.append(final)
-            stats = self.diffusion_stats
-            stats.denoising_steps += 1
-            stats.block_positions_computed += len(r.block_positions)
-            stats.block_positions_after_eviction += len(positions)
-            stats.tokens_committed += len(final)
-            stats.blocks_completed += int(not bool((canvas.tokens == mask_id).any()))
         return sampled, step_maps
+
+    def _unmask(self, request_index: int, r: RequestRows, positions: torch.Tensor,
+                logits: torch.Tensor, greedy_tokens: torch.Tensor,
+                greedy_confidence: torch.Tensor,
+                probe: ImportanceProbe | None) -> tuple[list[int], list[int] | None]:
+        """One request's unmasking for this step. positions: [n] surviving block positions,
+        logits / greedy_tokens / greedy_confidence: their [n, V] / [n] / [n] rows.
+        Returns the newly final tokens and, if asked for, their decode steps."""
+        block, mask_id = self.diffusion.block_size, self.diffusion.mask_token_id
+        state = self.requests[r.req_id]
+        params = state.sampling_params
+        if params.sampling_type == SamplingType.GREEDY:
+            tokens, confidence = greedy_tokens, greedy_confidence
+        else:
+            tokens, confidence = propose_tokens(logits, mask_id, params.temperature,
+                                                params.top_k, params.top_p, state.generator)
+        canvas = r.canvas
+        masked = canvas.tokens == mask_id
+        eligible = torch.zeros(block, dtype=torch.bool)
+        eligible[positions] = True
+        full_confidence = torch.full((block,), float("-inf"))
+        full_confidence[positions] = confidence.cpu()
+        proposals = torch.full((block,), mask_id, dtype=torch.long)
+        proposals[positions] = tokens.cpu()
+        commit = self.diffusion.policy.choose_commits(
+            full_confidence, masked & eligible, canvas.steps, block, canvas.policy_config)
+        if probe is not None and self.importance_records is not None:
+            self._record_importance(probe, request_index, r, masked, commit)
+        canvas.commit(commit, proposals)
+        if self.focus:
+            self.focus_states[r.req_id].after_step(masked, eligible, int(commit.sum()))
+        num_known = len(state.prompt_token_ids) + len(state.output_token_ids)
+        final = truncate_at_stop(emit_final_tokens(canvas, num_known, mask_id),
+                                 params, len(state.output_token_ids))
+        step_map = (decode_steps(canvas, num_known, len(final))
+                    if wants_step_map(params.extra_args) else None)
+        state.output_token_ids.extend(final)
+        stats = self.diffusion_stats
+        stats.denoising_steps += 1
+        stats.block_positions_computed += len(r.block_positions)
+        stats.block_positions_after_eviction += len(positions)
+        stats.tokens_committed += len(final)
+        stats.blocks_completed += int(not bool((canvas.tokens == mask_id).any()))
+        return final, step_map
 
     def _record_importance(self, probe: ImportanceProbe, request_index: int, r: RequestRows,
                            masked: torch.Tensor, commit: torch.Tensor) -> None:

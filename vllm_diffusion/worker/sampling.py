@@ -23,6 +23,9 @@ def filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.
         cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
         # Drop a token once the tokens ranked above it already reach top_p.
         drop_sorted = (cumulative - sorted_logits.softmax(dim=-1)) >= top_p
+        # The most likely token always stays: with a tiny top_p, rounding in the
+        # cumulative sum would otherwise drop every token.
+        drop_sorted[:, 0] = False
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
         logits = logits.masked_fill(drop, float("-inf"))
     return logits

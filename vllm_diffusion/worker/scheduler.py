@@ -22,11 +22,17 @@ from __future__ import annotations
 
 from typing import Any
 
+from vllm.logger import init_logger
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs
+from vllm.v1.request import RequestStatus
 from vllm.v1.spec_decode.metrics import SpecDecodingStats
 
 from vllm_diffusion.config import STEP_MAP_KEY, engine_config_from_vllm
+from vllm_diffusion.worker.outputs import DiffusionRunnerOutput, require_diffusion_output
+
+logger = init_logger(__name__)
 
 
 def committed_after_step(num_computed: int, num_scheduled: int, num_tokens: int,
@@ -86,6 +92,9 @@ class BlockDiffusionScheduler(Scheduler):
 
     def schedule(self, throttle_prefills: bool = False) -> SchedulerOutput:
         block = self.diffusion_block_size
+        # Entries left by a step whose execution raised (update_from_output never ran).
+        self._committed.clear()
+        self._denoised.clear()
         for request in self.running:
             block_end = request.num_tokens // block * block + block
             request.spec_token_ids = [self.mask_token_id] * (block_end - request.num_tokens)
@@ -105,9 +114,19 @@ class BlockDiffusionScheduler(Scheduler):
 
     def update_from_output(self, scheduler_output: SchedulerOutput,
                            model_runner_output: Any):
-        self._step_stats = self._diffusion_step_stats(scheduler_output, model_runner_output)
-        step_map_requests = self._extend_step_maps(model_runner_output)
-        outputs = super().update_from_output(scheduler_output, model_runner_output)
+        runner_output = require_diffusion_output(model_runner_output)
+        self._step_stats = self._diffusion_step_stats(scheduler_output, runner_output)
+        step_map_requests = self._extend_step_maps(runner_output)
+        # Finished before the stock bookkeeping, which then skips them (as it skips
+        # requests aborted during the step); their error outputs are added after it.
+        errored = self._finish_failed(runner_output.failed_requests)
+        outputs = super().update_from_output(scheduler_output, runner_output)
+        for request in errored:
+            client_outputs = outputs.setdefault(request.client_index, EngineCoreOutputs())
+            client_outputs.outputs.append(EngineCoreOutput(
+                request_id=request.request_id, new_token_ids=[],
+                finish_reason=request.get_finished_reason(), events=request.take_events(),
+                trace_headers=request.trace_headers))
         attach_step_maps(outputs, step_map_requests)
         for req_id in scheduler_output.num_scheduled_tokens:
             committed = self._committed.pop(req_id, None)
@@ -118,11 +137,19 @@ class BlockDiffusionScheduler(Scheduler):
                 request.num_computed_tokens = committed
         return outputs
 
-    def _extend_step_maps(self, model_runner_output: Any) -> dict[str, Any]:
+    def _finish_failed(self, failed: dict[str, str]) -> list[Any]:
+        """Finish the requests whose policy work failed in the runner: their KV pages are
+        freed here and the runner forgets them at the next step."""
+        if not failed:
+            return []
+        for req_id, why in failed.items():
+            logger.error("vllm-diffusion: request %s finished with an error: %s", req_id, why)
+        return self.finish_requests(failed, RequestStatus.FINISHED_ERROR)
+
+    def _extend_step_maps(self, runner_output: DiffusionRunnerOutput) -> dict[str, Any]:
         """Append this step's decode steps to the requests that asked for a step map."""
         requests = {}
-        for req_id, steps in (getattr(model_runner_output, "diffusion_step_maps", None)
-                              or {}).items():
+        for req_id, steps in runner_output.step_maps.items():
             request = self.requests.get(req_id)
             if request is None:
                 continue
@@ -133,7 +160,7 @@ class BlockDiffusionScheduler(Scheduler):
         return requests
 
     def _diffusion_step_stats(self, scheduler_output: SchedulerOutput,
-                              model_runner_output: Any) -> SpecDecodingStats:
+                              runner_output: DiffusionRunnerOutput) -> SpecDecodingStats:
         """This step's work, in the counters vLLM reports for diffusion models:
         denoising steps (one per denoised block), canvas positions evaluated (block
         positions through layers 0-1), and committed (final) tokens; the positions that
@@ -141,10 +168,8 @@ class BlockDiffusionScheduler(Scheduler):
         """
         denoised = [r for r in scheduler_output.num_scheduled_tokens if r in self._denoised]
         self._denoised.clear()
-        committed = sum(len(t) for t in (model_runner_output.sampled_token_ids or []))
-        positions = getattr(model_runner_output, "diffusion_block_positions", None)
-        if positions is None:  # e.g. an empty step
-            positions = (len(denoised) * self.diffusion_block_size,) * 2
+        committed = sum(len(t) for t in runner_output.sampled_token_ids)
+        positions = runner_output.block_positions
         return SpecDecodingStats(
             num_spec_tokens=0, num_drafts=len(denoised), num_draft_tokens=positions[0],
             num_accepted_tokens=committed, num_draft_tokens_per_pos=[positions[1]])

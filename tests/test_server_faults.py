@@ -1,0 +1,141 @@
+"""A hostile client against `vllm serve --diffusion-policy focus` on loopback: every bad
+input of the catalogue is a 400 naming the problem, a storm of aborted and disconnected
+requests leaves nothing held, and output at temperature 0 never changes. Bounded in time."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+
+import pytest
+import requests
+from test_server import chat_body, metric, wait_until_idle
+
+from vllm_diffusion.testing.server import vllm_server
+
+BLOCK_SIZE = 16
+NAN, INF = float("nan"), float("inf")
+
+
+@pytest.fixture(scope="module")
+def server(dense_checkpoint, tmp_path_factory):
+    log = tmp_path_factory.mktemp("focus-server") / "serve.log"
+    with vllm_server(dense_checkpoint, "--diffusion-policy", "focus", "--enforce-eager",
+                     "--additional-config", json.dumps({"diffusion_block_size": BLOCK_SIZE}),
+                     "--max-model-len", "512", "--max-num-seqs", "8", log_path=log) as url:
+        yield {"url": url, "model": str(dense_checkpoint)}
+
+
+def post_json(url: str, body: dict, timeout: float) -> requests.Response:
+    """POST with NaN / Infinity written as JSON literals (requests' json= refuses them)."""
+    return requests.post(url, data=json.dumps(body), timeout=timeout,
+                         headers={"Content-Type": "application/json"})
+
+
+@pytest.fixture(scope="module")
+def reference(server) -> str:
+    return complete(server)
+
+
+def complete(server) -> str:
+    response = requests.post(f"{server['url']}/v1/chat/completions", json=chat_body(
+        server, max_tokens=24, vllm_xargs={"threshold": 0.7}), timeout=60)
+    assert response.status_code == 200, response.text
+    return response.json()["choices"][0]["message"]["content"]
+
+
+# (request fields, text the 400's message must contain); NaN and Infinity go out as the
+# JSON literals NaN / Infinity, as Python's json writes them.
+CATALOGUE = [
+    ({"vllm_xargs": {"alpha": NAN}}, "option 'alpha' must be a finite float"),
+    ({"vllm_xargs": {"alpha": "nan"}}, "option 'alpha' must be a finite float"),
+    ({"vllm_xargs": {"alpha": INF}}, "option 'alpha' must be a finite float"),
+    ({"vllm_xargs": {"alpha": "-inf"}}, "option 'alpha' must be a finite float"),
+    ({"vllm_xargs": {"alpha": 1.0}}, "option 'alpha' must be float in (1.0, 64.0]"),
+    ({"vllm_xargs": {"threshold": NAN}}, "option 'threshold' must be a finite float"),
+    ({"vllm_xargs": {"threshold": "NaN"}}, "option 'threshold' must be a finite float"),
+    ({"vllm_xargs": {"pool_kernel": 2}}, "option 'pool_kernel' must be odd"),
+    ({"vllm_xargs": {"pool_kernel": NAN}}, "option 'pool_kernel' must be int"),
+    ({"vllm_xargs": {"evict": "maybe"}}, "option 'evict' must be bool"),
+    ({"vllm_xargs": {"strategy": "fastest"}}, "option 'strategy' must be one of"),
+    ({"vllm_xargs": {"denoising_steps": 99}}, "'denoising_steps' must be at most the block"),
+    ({"vllm_xargs": {"commit": "delayed"}}, "option 'commit' is engine-wide"),
+    ({"vllm_xargs": {"alpah": 2.0}}, "unknown option(s) 'alpah'"),
+    ({"vllm_xargs": {"diffusion_policy": "standard"}}, "per-request policy switching"),
+    ({"vllm_xargs": {"return_step_map": True}, "n": 2, "temperature": 1.0},
+     "return_step_map requires n=1"),
+    ({"temperature": NAN}, "temperature"),
+    ({"temperature": INF}, "temperature"),
+    ({"top_p": NAN}, "top_p"),
+    ({"seed": 2**70}, "seed"),
+    ({"max_tokens": -1}, "max_tokens"),
+    ({"presence_penalty": 0.5}, "presence_penalty"),
+    ({"logprobs": True}, "logprobs"),
+    ({"min_tokens": 3}, "min_tokens"),
+]
+
+
+@pytest.mark.parametrize("fields, message", CATALOGUE,
+                         ids=[json.dumps(f)[:60] for f, _ in CATALOGUE])
+def test_bad_input_is_a_400_naming_the_problem(server, reference, fields, message):
+    response = post_json(f"{server['url']}/v1/chat/completions",
+                         {**chat_body(server), **fields}, timeout=30)
+    assert response.status_code == 400, response.text
+    assert message in response.json()["error"]["message"]
+    assert complete(server) == reference
+
+
+def test_bad_request_next_to_good_ones_in_one_batch(server, reference):
+    def send(i):
+        fields = {"vllm_xargs": {"alpha": NAN}} if i % 4 == 1 else {
+            "vllm_xargs": {"threshold": 0.7}}
+        return post_json(f"{server['url']}/v1/chat/completions",
+                         chat_body(server, max_tokens=24, **fields), timeout=120)
+
+    with concurrent.futures.ThreadPoolExecutor(12) as pool:
+        responses = list(pool.map(send, range(12)))
+    for i, response in enumerate(responses):
+        assert response.status_code == (400 if i % 4 == 1 else 200), response.text
+        if response.ok:
+            assert response.json()["choices"][0]["message"]["content"] == reference
+
+
+def test_abort_and_disconnect_storm_leaves_nothing_held(server, reference):
+    def stream_then_hang_up(i):
+        body = chat_body(server, max_tokens=300, stream=True,
+                         vllm_xargs={"strategy": "sequential"})
+        body["messages"][0]["content"] += f" number {i}"
+        with requests.post(f"{server['url']}/v1/chat/completions", json=body, stream=True,
+                           timeout=60) as response:
+            lines = response.iter_lines()
+            for _ in range(2 + i % 5):
+                next(lines)
+        return True
+
+    def time_out(i):
+        body = chat_body(server, max_tokens=300, vllm_xargs={"strategy": "sequential"})
+        body["messages"][0]["content"] += f" timing out {i}"
+        try:
+            requests.post(f"{server['url']}/v1/chat/completions", json=body, timeout=0.3)
+        except requests.Timeout:
+            return True
+        return False
+
+    with concurrent.futures.ThreadPoolExecutor(16) as pool:
+        streams = [pool.submit(stream_then_hang_up, i) for i in range(24)]
+        timeouts = [pool.submit(time_out, i) for i in range(16)]
+        assert all(f.result() for f in streams)
+        assert sum(f.result() for f in timeouts) >= 8
+    wait_until_idle(server["url"], timeout=60)
+    assert metric(server["url"], "vllm:num_requests_waiting") == 0
+    assert complete(server) == reference
+
+
+def test_focus_server_reports_fewer_positions_after_eviction(server):
+    positions = metric(server["url"], "vllm:diffusion_num_canvas_positions_total")
+    later = metric(server["url"], "vllm:diffusion_num_positions_after_eviction_total")
+    body = chat_body(server, max_tokens=48, vllm_xargs={"threshold": 0.7})
+    requests.post(f"{server['url']}/v1/chat/completions", json=body, timeout=60).raise_for_status()
+    positions = metric(server["url"], "vllm:diffusion_num_canvas_positions_total") - positions
+    later = metric(server["url"], "vllm:diffusion_num_positions_after_eviction_total") - later
+    assert 0 < later < positions

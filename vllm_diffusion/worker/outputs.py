@@ -1,0 +1,38 @@
+"""What one diffusion step returns to the scheduler, in declared fields.
+
+``DiffusionRunnerOutput`` extends vLLM's ``ModelRunnerOutput`` (a dataclass the executor
+pickles across processes as it is) with the per-step diffusion results. The scheduler
+accepts nothing else, so a change in vLLM that drops or rebuilds the runner's output fails
+loudly instead of losing these fields.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from vllm.v1.outputs import ModelRunnerOutput
+
+
+@dataclasses.dataclass
+class DiffusionRunnerOutput(ModelRunnerOutput):
+    # This step's block positions through the policy's first layers and through the
+    # layers after its eviction point (equal when nothing is evicted).
+    block_positions: tuple[int, int] = (0, 0)
+    # req_id -> the denoising step that unmasked each token of its sampled_token_ids
+    # (only for requests that asked for a step map).
+    step_maps: dict[str, list[int]] = dataclasses.field(default_factory=dict)
+    # req_id -> why the host-side policy work of that request failed this step; the
+    # scheduler finishes exactly these requests with an error.
+    failed_requests: dict[str, str] = dataclasses.field(default_factory=dict)
+
+
+def empty_output() -> DiffusionRunnerOutput:
+    return DiffusionRunnerOutput(req_ids=[], req_id_to_index={})
+
+
+def require_diffusion_output(output: object) -> DiffusionRunnerOutput:
+    if not isinstance(output, DiffusionRunnerOutput):
+        raise TypeError(
+            f"the block-diffusion scheduler needs a DiffusionRunnerOutput from the model "
+            f"runner, got {type(output).__name__}: is the vllm_diffusion runner in use?")
+    return output
