@@ -82,6 +82,9 @@ def one_run(args: argparse.Namespace, run: int, log_dir: pathlib.Path) -> dict:
         if first:
             started.abort()
         waited = time.monotonic() - signalled["at"] if "at" in signalled else None
+        # requests reports a read timeout inside a stream as a connection error.
+        if waited is not None and waited >= args.client_timeout - 1:
+            outcome = "hung"
         return {"outcome": outcome, "seconds_after_signal": waited}
 
     with concurrent.futures.ThreadPoolExecutor(args.requests) as pool:

@@ -5,13 +5,17 @@ requests leaves nothing held, and output at temperature 0 never changes. Bounded
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import json
+import signal
+import threading
+import time
 
 import pytest
 import requests
 from test_server import chat_body, metric, wait_until_idle
 
-from vllm_diffusion.testing.server import vllm_server
+from vllm_diffusion.testing.server import vllm_server, vllm_server_process
 
 BLOCK_SIZE = 16
 NAN, INF = float("nan"), float("inf")
@@ -139,3 +143,37 @@ def test_focus_server_reports_fewer_positions_after_eviction(server):
     positions = metric(server["url"], "vllm:diffusion_num_canvas_positions_total") - positions
     later = metric(server["url"], "vllm:diffusion_num_positions_after_eviction_total") - later
     assert 0 < later < positions
+
+
+def test_sigterm_with_streams_in_flight_ends_every_stream(dense_checkpoint, tmp_path):
+    """SIGTERM under load: every open stream ends promptly (an error chunk or a closed
+    connection) and the server exits, instead of waiting for clients to give up."""
+    with vllm_server_process(dense_checkpoint, "--diffusion-policy", "focus",
+                             "--enforce-eager", "--max-model-len", "512",
+                             "--additional-config", json.dumps({"diffusion_block_size": 16}),
+                             log_path=tmp_path / "serve.log") as (url, process):
+        server = {"url": url, "model": str(dense_checkpoint)}
+        started = threading.Barrier(9, timeout=60)
+
+        def stream(i: int) -> float:
+            body = chat_body(server, max_tokens=400, stream=True,
+                             vllm_xargs={"strategy": "sequential"})
+            body["messages"][0]["content"] += f" {i}"
+            first = True
+            with contextlib.suppress(requests.RequestException):
+                with requests.post(f"{url}/v1/chat/completions", json=body, stream=True,
+                                   timeout=(10, 30)) as response:
+                    for _ in response.iter_lines():
+                        if first:
+                            first = False
+                            started.wait()
+            return time.monotonic()
+
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:
+            futures = [pool.submit(stream, i) for i in range(8)]
+            started.wait()
+            signalled = time.monotonic()
+            process.send_signal(signal.SIGTERM)
+            ended = [f.result() - signalled for f in futures]
+        assert process.wait(timeout=30) is not None
+    assert max(ended) < 10, ended

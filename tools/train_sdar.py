@@ -4,6 +4,10 @@ Usage (the README gives the commands that made the committed checkpoint):
     python tools/train_sdar.py --out DIR --ar-minutes 15 --minutes 40 --threads 1
     python tools/train_sdar.py --init DIR --out DIR2 --minutes 45 --threads 2 --lr 1e-3
 
+The same script trains on a GPU (--device cuda, the default where one is present); the
+model trains in float32 and --save-dtype sets the dtype of the saved weights. With --init
+the model size comes from that checkpoint's config.json.
+
 An optional autoregressive warm start (--ar-minutes: next-token loss on the responses
 under the causal mask, as SDAR starts from an autoregressive model) comes first. Each
 stage stops at its time budget; its cosine schedule length is estimated from the speed of
@@ -90,6 +94,8 @@ class TrainConfig:
     eval_per_family: int = 10
     checkpoint_minutes: float = 10.0
     init: Path | None = None  # continue from the weights of a checkpoint saved by this script
+    device: str = "cpu"  # "cuda" trains on the GPU with the same code
+    save_dtype: str = "float32"  # the committed weights' dtype (the model trains in float32)
     ar_minutes: float = 0.0  # autoregressive warm start before block-diffusion training
     block_sizes: tuple[int, ...] = BLOCK_SIZES  # drawn uniformly per batch
     ar_max_steps: int | None = None
@@ -173,8 +179,8 @@ def noisy_hidden_states(model: Qwen3ForCausalLM, noisy: torch.Tensor, clean: tor
     positions = torch.cat([torch.arange(start, length), torch.arange(length - block_size)])
     kept = torch.cat([torch.arange(length) >= start, torch.ones(length - block_size, dtype=torch.bool)])
     attention_mask = training_attention_mask(length, block_size)[kept][:, kept][None, None]
-    output = model.model(input_ids=inputs, attention_mask=attention_mask,
-                         position_ids=positions[None].expand(batch, -1))
+    output = model.model(input_ids=inputs, attention_mask=attention_mask.to(inputs.device),
+                         position_ids=positions[None].expand(batch, -1).to(inputs.device))
     return output.last_hidden_state[:, :length - start]
 
 
@@ -239,7 +245,9 @@ def save_checkpoint(model: Qwen3ForCausalLM, tokenizer: PreTrainedTokenizerBase,
                   "eos_token_id": [sdar["eos_token_id"], sdar["pad_token_id"]], "do_sample": False}
     (out / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
     tokenizer.save_pretrained(out)
-    state = {name: tensor.detach().contiguous() for name, tensor in model.state_dict().items()}
+    dtype = getattr(torch, sdar["torch_dtype"])
+    state = {name: tensor.detach().to("cpu", dtype).contiguous()
+             for name, tensor in model.state_dict().items()}
     save_file(state, out / "model.safetensors.partial", metadata={"format": "pt"})
     os.replace(out / "model.safetensors.partial", out / "model.safetensors")
 
@@ -249,6 +257,8 @@ def block_diffusion_loss(model: Qwen3ForCausalLM, items: list[tuple[list[int], l
     """Mean cross-entropy over masked positions, and the number of real (non-padding) tokens."""
     clean, eligible = collate(items, block_size, pad_id)  # [b, L], [b, L]
     noisy, masked = mask_blocks(clean, eligible, block_size, mask_id, eps, generator)
+    device = model.device
+    clean, noisy, masked = clean.to(device), noisy.to(device), masked.to(device)
     # The noisy copy of prompt blocks (before the first block any row may mask) is skipped.
     start = int(eligible.float().argmax(dim=1).min()) // block_size * block_size
     hidden = noisy_hidden_states(model, noisy, clean, block_size, start)  # [b, L - start, hidden]
@@ -261,6 +271,7 @@ def autoregressive_loss(model: Qwen3ForCausalLM, items: list[tuple[list[int], li
     """Next-token cross-entropy on the response targets under the plain causal mask (the
     warm start SDAR inherits from its autoregressive base model)."""
     clean, eligible = collate(items, 1, pad_id)  # [b, L], [b, L]
+    clean, eligible = clean.to(model.device), eligible.to(model.device)
     hidden = model.model(input_ids=clean[:, :-1]).last_hidden_state  # [b, L - 1, hidden]
     targets = eligible[:, 1:]
     loss = F.cross_entropy(model.lm_head(hidden[targets]), clean[:, 1:][targets])
@@ -283,7 +294,7 @@ def train(config: TrainConfig, size: ModelSize) -> None:
     check_attention_mask()
     tokenizer = build_tokenizer(train_examples())
     data = tokenize_corpus(tokenizer)
-    sdar = sdar_config(size, tokenizer)
+    sdar = {**sdar_config(size, tokenizer), "torch_dtype": config.save_dtype}
     pad_id, mask_id = sdar["pad_token_id"], sdar["mask_token_id"]
     model = Qwen3ForCausalLM(qwen3_config_from_sdar(sdar)).train()
     if config.init is not None:
@@ -291,6 +302,7 @@ def train(config: TrainConfig, size: ModelSize) -> None:
 
         model.load_state_dict(load_file(config.init / "model.safetensors"))
         print(f"continuing from {config.init}")
+    model.to(config.device)
     num_params = sum(p.numel() for p in model.parameters())
     print(f"model: {num_params / 1e6:.2f}M parameters, {asdict(size)}; {len(data)} training examples")
     batch_iter = batches([len(p) + len(r) for p, r in data], config.batch_size, rng)
@@ -308,6 +320,7 @@ def train(config: TrainConfig, size: ModelSize) -> None:
     model.eval()
     save()
     print(f"saved checkpoint to {config.out}")
+    model.cpu()  # the held-out check decodes on the CPU
     if config.eval_per_family:
         accuracy = evaluate(model, tokenizer, eval_examples(config.eval_per_family), mask_id=mask_id,
                             stop_ids=[sdar["eos_token_id"], pad_id], block_size=SERVING_BLOCK_SIZE, show=3)
@@ -349,6 +362,24 @@ def optimize(model: Qwen3ForCausalLM, loss_fn, next_items, config: TrainConfig, 
     print(f"trained {step} steps in {time.perf_counter() - started:.0f}s")
 
 
+def model_size(args: argparse.Namespace) -> ModelSize:
+    """The size flags given, else the --init checkpoint's, else the defaults. A flag that
+    contradicts the --init checkpoint is an error (its weights would not load)."""
+    base = asdict(ModelSize())
+    if args.init is not None:
+        saved = json.loads((args.init / "config.json").read_text())
+        base.update({field: saved[field] for field in base if field in saved})
+    for field in base:
+        given = getattr(args, field)
+        if given is None:
+            continue
+        if args.init is not None and given != base[field] and field != "max_position_embeddings":
+            raise SystemExit(f"--{field.replace('_', '-')} {given} contradicts {args.init} "
+                             f"({base[field]})")
+        base[field] = given
+    return ModelSize(**base)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -367,15 +398,20 @@ def main() -> None:
                         help="block sizes drawn uniformly per batch")
     parser.add_argument("--init", type=Path, default=None,
                         help="continue from the weights of a checkpoint this script saved")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--save-dtype", choices=("float32", "bfloat16", "float16"),
+                        default="float32", help="dtype of the saved weights")
     for field, default in asdict(ModelSize()).items():
-        parser.add_argument(f"--{field.replace('_', '-')}", type=type(default), default=default)
+        parser.add_argument(f"--{field.replace('_', '-')}", type=type(default), default=None,
+                            help=f"default {default}, or the --init checkpoint's")
     args = parser.parse_args()
-    size = ModelSize(**{field: getattr(args, field) for field in asdict(ModelSize())})
+    size = model_size(args)
     config = TrainConfig(out=args.out, minutes=args.minutes, seed=args.seed, threads=args.threads,
                          max_steps=args.max_steps, batch_size=args.batch_size, lr=args.lr,
                          eval_per_family=args.eval_per_family, init=args.init,
                          ar_minutes=args.ar_minutes, ar_max_steps=args.ar_max_steps,
-                         block_sizes=tuple(args.block_sizes))
+                         block_sizes=tuple(args.block_sizes), device=args.device,
+                         save_dtype=args.save_dtype)
     train(config, size)
 
 

@@ -16,6 +16,10 @@
    raises, the requests it left unfinished are aborted, so their KV pages and diffusion
    state are freed and the next call starts clean instead of resuming half-stepped
    requests.
+6. Shutdown with requests in flight: vLLM's ``AsyncLLM.shutdown`` stops the engine and
+   cancels its output handler without telling the requests still streaming, so each
+   stream (and with it uvicorn's graceful shutdown) waits until its client gives up. The
+   wrapper ends every in-flight request with ``EngineDeadError`` once the engine is down.
 The wrappers leave every other model untouched.
 """
 
@@ -32,6 +36,7 @@ def install() -> None:
     _install_diffusion_metric_names()
     _install_step_map_trimming()
     _install_offline_recovery()
+    _install_shutdown_notice()
 
 
 def _install_cli_flag() -> None:
@@ -202,3 +207,30 @@ def _install_offline_recovery() -> None:
             raise
 
     OfflineInferenceMixin._run_engine = run_engine_and_abort_on_failure
+
+
+def _install_shutdown_notice() -> None:
+    from vllm.v1.engine.async_llm import AsyncLLM
+    from vllm.v1.engine.exceptions import EngineDeadError
+
+    if getattr(AsyncLLM, _INSTALLED_FLAG, False):
+        return
+    setattr(AsyncLLM, _INSTALLED_FLAG, True)
+    shutdown = AsyncLLM.shutdown
+
+    def fail_in_flight_requests(engine) -> None:
+        # On the event loop's thread: the request queues are asyncio objects.
+        if engine.output_processor.request_states:
+            engine.output_processor.propagate_error(EngineDeadError(
+                "the server is shutting down; the request was not finished"))
+
+    def shutdown_and_end_in_flight_requests(self, *args, **kwargs):
+        handler = getattr(self, "output_handler", None)
+        shutdown(self, *args, **kwargs)
+        if handler is None or not _serves_diffusion_model(self.vllm_config):
+            return
+        loop = handler.get_loop()
+        if not loop.is_closed():
+            loop.call_soon_threadsafe(fail_in_flight_requests, self)
+
+    AsyncLLM.shutdown = shutdown_and_end_in_flight_requests
