@@ -6,8 +6,11 @@ Every layer stores their keys/values in a per-layer block store; queries attend 
 committed prefix (exact: a clean block-causal forward) and the block store. At layer 1,
 after the store, the importance delta selects the retained positions; they alone
 continue, and from layer 1's attention on the block keys stop after the rightmost
-retained position. Unmasking sees only retained positions. The budget, selection and cache rules
-are the package's (tested on hand-built inputs in test_focus_selection.py).
+retained position. Unmasking sees only retained positions.
+
+Everything FOCUS-specific is written here again from the paper (Eq. 2-4, Section 4.3) with
+plain loops, independently of the package: importance, budget, retained set, the
+neighbour-aware cache. Unmasking uses the SDAR reference's strategies.
 """
 
 from __future__ import annotations
@@ -15,11 +18,73 @@ from __future__ import annotations
 import math
 
 import torch
-from reference_sdar import ReferenceSDAR, block_causal_mask, rms_norm, transfer_quotas
+from reference_sdar import ReferenceSDAR, block_causal_mask, rms_norm, select_positions, transfer_quotas
 
-from vllm_diffusion.attention.importance import candidate_importance
-from vllm_diffusion.policies.focus_selection import IntraBlockCache, select_retained, token_budget
-from vllm_diffusion.policies.standard import StandardPolicyConfig, choose_commits
+
+def importance(q: torch.Tensor, k: torch.Tensor, scale: float, kernel: int) -> torch.Tensor:
+    """Incoming attention of each candidate (FOCUS Eq. 2-3). q: [n, H, D], k: [n, Hkv, D]."""
+    n, heads = q.shape[0], q.shape[1]
+    group = heads // k.shape[1]
+    total = torch.zeros(n)
+    for h in range(heads):
+        scores = (q[:, h].float() @ k[:, h // group].float().T) * scale  # [n, n]
+        pooled = torch.empty_like(scores)
+        for b in range(n):  # MaxPool1D over keys, window clipped at the ends
+            lo, hi = max(0, b - kernel // 2), min(n, b + kernel // 2 + 1)
+            pooled[:, b] = scores[:, lo:hi].max(dim=1).values
+        total += pooled.softmax(dim=1).sum(dim=0)
+    return total
+
+
+def budget_k(delta: list[float], mean_decoded: float, alpha: float, block_size: int) -> int:
+    """K = min(B, max(ceil(alpha * mean decoded per step), N_sigma)) (Eq. 4)."""
+    mean = sum(delta) / len(delta)
+    std = math.sqrt(sum((d - mean) ** 2 for d in delta) / len(delta))
+    n_sigma = sum(1 for d in delta if d >= mean + std)
+    return min(block_size, max(math.ceil(alpha * mean_decoded), n_sigma))
+
+
+def retained_set(delta: list[float], masked: list[bool], k: int, processing: list[bool],
+                 ever_processed: list[bool]) -> list[bool]:
+    """Top-k masked candidates by delta (ties to the left), each retained position's left
+    neighbour, never-processed masks left of the rightmost retained position, and the
+    decoded positions being recomputed."""
+    size = len(delta)
+    candidates = [i for i in range(size) if masked[i] and processing[i]]
+    keep = [processing[i] and not masked[i] for i in range(size)]
+    if not candidates:
+        return keep if any(keep) else list(processing)
+    for i in sorted(candidates, key=lambda i: (-delta[i], i))[:k]:
+        keep[i] = True
+    for i in range(size - 1):
+        if keep[i + 1] and processing[i]:
+            keep[i] = True
+    rightmost = max(i for i in range(size) if keep[i])
+    for i in candidates:
+        if i < rightmost and not ever_processed[i]:
+            keep[i] = True
+    return keep
+
+
+class NeighbourCache:
+    """Section 4.3: a decoded position stops being computed once it and its right
+    neighbour were both decoded before a step (all positions on the block's first step)."""
+
+    def __init__(self, size: int) -> None:
+        self.frozen, self.started = [False] * size, False
+
+    def processing(self) -> list[bool]:
+        if not self.started or all(self.frozen):
+            return [True] * len(self.frozen)
+        return [not f for f in self.frozen]
+
+    def after_step(self, masked_before: list[bool]) -> None:
+        size = len(masked_before)
+        for i in range(size):
+            right_decoded = i == size - 1 or not masked_before[i + 1]
+            if not masked_before[i] and right_decoded:
+                self.frozen[i] = True
+        self.started = True
 
 
 def project(model: ReferenceSDAR, x: torch.Tensor, positions: torch.Tensor, layer: int):
@@ -73,6 +138,7 @@ def reference_focus_generate(model: ReferenceSDAR, prompt: list[int], *, block_s
     intra_block_cache); greedy; exact commit."""
     w = model.weights
     steps_cap = config.denoising_steps or block_size
+    quotas = transfer_quotas(block_size, steps_cap)
     start = len(prompt) // block_size * block_size
     committed = list(prompt[:start])
     block = torch.tensor(prompt[start:] + [mask_id] * (block_size - len(prompt) % block_size))
@@ -82,28 +148,33 @@ def reference_focus_generate(model: ReferenceSDAR, prompt: list[int], *, block_s
         store_k = [torch.zeros(block_size, model.num_kv_heads, model.head_dim)
                    for _ in range(model.num_layers)]
         store_v = [torch.zeros_like(k) for k in store_k]
-        cache, ever_processed, step = IntraBlockCache(block_size), torch.zeros(block_size, dtype=torch.bool), 0
+        cache, ever_processed, step = NeighbourCache(block_size), [False] * block_size, 0
         while bool((block == mask_id).any()):
             masked = block == mask_id
-            processing = (cache.processing_set() if config.intra_block_cache
+            processing = (torch.tensor(cache.processing()) if config.intra_block_cache
                           else torch.ones(block_size, dtype=torch.bool))
             rows = torch.nonzero(processing).flatten()  # block positions computed, ascending
             x = w["model.embed_tokens.weight"][block[rows]]
-            importance, key_end = [], block_size
+            layer_importance, key_end = [], block_size
             for layer in range(model.num_layers):
                 q, k, v = project(model, x, start + rows, layer)
                 store_k[layer][rows], store_v[layer][rows] = k, v
                 if layer < 2:
                     cand = masked[rows]
-                    importance.append(candidate_importance(q[cand], k[cand], model.head_dim ** -0.5,
-                                                           config.pool_kernel))
+                    layer_importance.append(importance(q[cand], k[cand], model.head_dim ** -0.5,
+                                                       config.pool_kernel))
                 if layer == 1 and config.evict and bool(masked.any()):
-                    delta = torch.zeros(block_size)
-                    delta[masked] = importance[1] - importance[0]
+                    delta = [0.0] * block_size
+                    for i, d in zip(torch.nonzero(masked).flatten().tolist(),
+                                    (layer_importance[1] - layer_importance[0]).tolist()):
+                        delta[i] = d
                     mean = decoded_tokens / decoded_steps if decoded_steps else 1.0
-                    budget = token_budget(delta[masked], mean, config.alpha, block_size)
-                    if budget < int(masked.sum()):
-                        keep = select_retained(delta, masked, budget, processing, ever_processed)[rows]
+                    k_budget = budget_k([delta[i] for i in range(block_size) if masked[i]], mean,
+                                        config.alpha, block_size)
+                    if k_budget < int(masked.sum()):
+                        chosen = retained_set(delta, masked.tolist(), k_budget,
+                                              processing.tolist(), ever_processed)
+                        keep = torch.tensor(chosen)[rows]
                         rows, x, q = rows[keep], x[keep], q[keep]
                         if not bool(keep.all()):
                             key_end = int(rows.max()) + 1
@@ -120,12 +191,14 @@ def reference_focus_generate(model: ReferenceSDAR, prompt: list[int], *, block_s
             confidence[rows], proposal[rows] = probs.max(-1)
             eligible = torch.zeros(block_size, dtype=torch.bool)
             eligible[rows] = True
-            commit = choose_commits(confidence, masked & eligible, step, block_size,
-                                    StandardPolicyConfig(config.strategy, config.threshold,
-                                                         config.denoising_steps))
+            quota = quotas[step] if step < steps_cap else block_size
+            candidates = masked & eligible
+            confidence = torch.where(candidates, confidence, torch.full_like(confidence, float("-inf")))
+            commit = select_positions(config.strategy, confidence, candidates, quota,
+                                      config.threshold, last_step=step >= steps_cap - 1)
             block = torch.where(commit, proposal, block)
-            cache.update(masked)
-            ever_processed |= eligible
+            cache.after_step(masked.tolist())
+            ever_processed = [e or bool(g) for e, g in zip(ever_processed, eligible)]
             decoded_steps, decoded_tokens, step = decoded_steps + 1, decoded_tokens + int(commit.sum()), step + 1
             assert step <= 64 * steps_cap
         for position, token in enumerate(block.tolist(), start=start):

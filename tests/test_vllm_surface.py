@@ -1,0 +1,94 @@
+"""Pins the vLLM 0.32 symbols vllm-diffusion wraps, subclasses or calls into (see
+patches/README.md): their parameter names, and the fields of the output types it extends.
+A vLLM upgrade that changes any of them fails here, in CI, instead of at run time.
+
+Read in a fresh interpreter: the plugin's wrappers replace some of these attributes once
+an engine has started in this process."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+PARAMETERS = {
+    "vllm.engine.arg_utils:EngineArgs.add_cli_args": ('parser',),
+    "vllm.engine.arg_utils:EngineArgs.from_cli_args": ('args',),
+    "vllm.v1.engine.input_processor:InputProcessor._validate_params": ('self', 'params', 'supported_tasks'),
+    "vllm.v1.engine.input_processor:InputProcessor._validate_model_input": ('self', 'prompt_input', 'prompt_type'),
+    "vllm.v1.metrics.loggers:LoggingStatLogger.__init__": ('self', 'vllm_config', 'engine_index'),
+    "vllm.v1.metrics.loggers:PrometheusStatLogger.__init__": ('self', 'vllm_config', 'engine_indexes'),
+    "vllm.v1.engine.output_processor:OutputProcessor._trim_surplus_tokens": ('req_state', 'output', 'num_prev_tokens'),
+    "vllm.v1.engine.output_processor:OutputProcessor.propagate_error": ('self', 'e'),
+    "vllm.entrypoints.common.offline:OfflineInferenceMixin._run_engine": ('self', 'output_type', 'use_tqdm'),
+    "vllm.v1.engine.async_llm:AsyncLLM.shutdown": ('self', 'timeout'),
+    "vllm.v1.engine.llm_engine:LLMEngine.abort_request": ('self', 'request_ids', 'internal'),
+    "vllm.v1.core.sched.scheduler:Scheduler.__init__": ('self', 'vllm_config', 'kv_cache_config', 'structured_output_manager', 'block_size', 'hash_block_size', 'mm_registry', 'include_finished_set', 'log_stats'),
+    "vllm.v1.core.sched.scheduler:Scheduler.schedule": ('self', 'throttle_prefills'),
+    "vllm.v1.core.sched.scheduler:Scheduler.update_from_output": ('self', 'scheduler_output', 'model_runner_output'),
+    "vllm.v1.core.sched.scheduler:Scheduler.finish_requests": ('self', 'request_ids', 'finished_status'),
+    "vllm.v1.core.sched.scheduler:Scheduler.make_stats": ('self', 'spec_decoding_stats', 'kv_connector_stats', 'cudagraph_stats', 'perf_stats', 'ec_connector_stats'),
+    "vllm.v1.worker.gpu_model_runner:GPUModelRunner.execute_model": ('self', 'scheduler_output', 'intermediate_tensors'),
+    "vllm.v1.worker.gpu_model_runner:GPUModelRunner._update_states": ('self', 'scheduler_output'),
+    "vllm.v1.worker.cpu_worker:CPUWorker.init_device": ('self',),
+    "vllm.v1.worker.cpu_model_runner:CPUModelRunner.__init__": ('self', 'vllm_config', 'device'),
+    "vllm.v1.spec_decode.metrics:SpecDecodingStats.__init__": ('self', 'num_spec_tokens', 'num_drafts', 'num_draft_tokens', 'num_accepted_tokens', 'num_accepted_tokens_per_pos', 'num_draft_tokens_per_pos'),
+    "vllm.v1.spec_decode.metrics:SpecDecodingLogging.__init__": ('self', 'is_diffusion'),
+    "vllm.v1.metrics.utils:create_metric_per_engine": ('metric', 'per_engine_labelvalues'),
+    "vllm.forward_context:set_forward_context": ('attn_metadata', 'vllm_config', 'num_tokens', 'num_tokens_across_dp', 'cudagraph_runtime_mode', 'batch_descriptor', 'ubatch_slices', 'slot_mapping', 'skip_compiled', 'is_padding'),
+    "vllm.model_executor.models.qwen3:Qwen3ForCausalLM.__init__": ('self', 'vllm_config', 'prefix'),
+    "vllm.model_executor.models.qwen3_moe:Qwen3MoeForCausalLM.__init__": ('self', 'vllm_config', 'prefix'),
+    "vllm.model_executor.layers.attention:Attention.__init__": ('self', 'num_heads', 'head_size', 'scale', 'num_kv_heads', 'alibi_slopes', 'use_alibi_sqrt', 'cache_config', 'quant_config', 'logits_soft_cap', 'per_layer_sliding_window', 'prefix', 'attn_type', 'kv_sharing_target_layer_name', 'mm_prefix_clamp_sliding_window', 'attn_backend', 'head_size_v', 'extra_impl_args'),
+}
+# Output types whose fields the project reads, fills or extends.
+FIELDS = {
+    "vllm.v1.outputs:ModelRunnerOutput": ("req_ids", "req_id_to_index", "sampled_token_ids"),
+    "vllm.v1.engine:EngineCoreOutput": ("request_id", "new_token_ids", "finish_reason",
+                                        "events", "trace_headers", "kv_transfer_params"),
+    "vllm.v1.engine:EngineCoreOutputs": ("outputs",),
+}
+
+_PROBE = r"""
+import dataclasses, importlib, inspect, json, sys
+def resolve(symbol):
+    module, qualified = symbol.split(":")
+    obj = importlib.import_module(module)
+    for part in qualified.split("."):
+        obj = getattr(obj, part)
+    return obj
+request = json.loads(sys.stdin.read())
+out = {"parameters": {}, "fields": {}}
+for symbol in request["parameters"]:
+    out["parameters"][symbol] = list(inspect.signature(resolve(symbol)).parameters)
+for symbol in request["fields"]:
+    cls = resolve(symbol)
+    names = (cls.__struct_fields__ if hasattr(cls, "__struct_fields__")
+             else [f.name for f in dataclasses.fields(cls)])
+    out["fields"][symbol] = list(names)
+print("PINNED " + json.dumps(out))
+"""
+
+
+@pytest.fixture(scope="module")
+def upstream() -> dict:
+    result = subprocess.run(
+        [sys.executable, "-c", _PROBE], input=json.dumps(
+            {"parameters": list(PARAMETERS), "fields": list(FIELDS)}),
+        capture_output=True, text=True, timeout=300, check=True)
+    line = next(x for x in result.stdout.splitlines() if x.startswith("PINNED "))
+    return json.loads(line[len("PINNED "):])
+
+
+@pytest.mark.parametrize("symbol", list(PARAMETERS))
+def test_wrapped_vllm_signature_is_unchanged(upstream, symbol):
+    assert tuple(upstream["parameters"][symbol]) == PARAMETERS[symbol], (
+        f"{symbol} changed in this vLLM: revisit the deviation that uses it "
+        f"(patches/README.md)")
+
+
+@pytest.mark.parametrize("symbol", list(FIELDS))
+def test_extended_vllm_output_type_keeps_its_fields(upstream, symbol):
+    missing = set(FIELDS[symbol]) - set(upstream["fields"][symbol])
+    assert not missing, f"{symbol} lost {sorted(missing)}"
