@@ -86,8 +86,8 @@ class Soak:
             ok = post(chat, self.chat_body(i), timeout=120).status_code == 200
         elif kind == "chat_stream":
             with post(chat, self.chat_body(i, stream=True), stream=True, timeout=120) as r:
-                lines = list(r.iter_lines())
-            ok = r.status_code == 200 and lines[-1] == b"data: [DONE]"
+                events = [line for line in r.iter_lines() if line]  # blank lines part events
+            ok = r.status_code == 200 and events[-1] == b"data: [DONE]"
         elif kind == "completion_sampled":
             r = post(f"{self.url}/v1/completions", {
                 "model": self.model, "prompt": f"Once upon a time {i}", "max_tokens": 40,

@@ -19,6 +19,8 @@ from vllm.inputs import TokensPrompt
 from vllm_diffusion.worker import runner as runner_module
 from vllm_diffusion.worker.runner import DiffusionRunnerMixin
 
+pytestmark = pytest.mark.engine
+
 REJECTED = (ValueError, TypeError, VLLMValidationError)
 PROMPT = TokensPrompt(prompt_token_ids=[5, 6, 7, 8, 9, 10, 11])
 BLOCK_SIZE = 8

@@ -12,6 +12,8 @@ from test_parity import checkpoint_info, make_prompts
 from vllm import SamplingParams
 from vllm.inputs import TokensPrompt
 
+pytestmark = pytest.mark.engine
+
 NO_EVICTION = {"evict": False, "intra_block_cache": False}
 
 

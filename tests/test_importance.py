@@ -72,6 +72,7 @@ def test_batched_importance_equals_per_request_importance():
                                    rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.engine
 def test_engine_records_the_reference_importance_delta(dense_checkpoint):
     block_size = 8
     mask_id, _, _ = checkpoint_info(dense_checkpoint)

@@ -12,6 +12,10 @@ from test_parity import checkpoint_info
 from vllm import SamplingParams
 from vllm.inputs import TokensPrompt
 
+import pytest
+
+pytestmark = pytest.mark.engine
+
 OPTIONS = {"strategy": "low_confidence_dynamic", "threshold": 0.7}
 
 

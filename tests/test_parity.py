@@ -18,6 +18,8 @@ from reference_sdar import ReferenceSDAR, reference_generate
 from vllm import SamplingParams
 from vllm.inputs import TokensPrompt
 
+pytestmark = pytest.mark.engine
+
 STRATEGIES = ("low_confidence_dynamic", "low_confidence_static", "sequential", "threshold")
 BLOCK_SIZES = (4, 8, 16, 32)
 

@@ -17,6 +17,8 @@ import pytest
 from vllm_diffusion.default_model import TRAINED_CHECKPOINT
 from vllm_diffusion.quality.harness import INSTRUCTION_FAMILIES, run
 
+pytestmark = pytest.mark.engine
+
 PER_FAMILY = 10
 
 # FOCUS's default unmasking (the paper's), and the same rule without eviction.

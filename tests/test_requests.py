@@ -12,6 +12,8 @@ from vllm.exceptions import VLLMValidationError
 from vllm.inputs import TokensPrompt
 from vllm.sampling_params import StructuredOutputsParams
 
+pytestmark = pytest.mark.engine
+
 REJECTED = (ValueError, VLLMValidationError)
 
 

@@ -13,6 +13,8 @@ import requests
 
 from vllm_diffusion.testing.server import vllm_server
 
+pytestmark = pytest.mark.engine
+
 BLOCK_SIZE = 16
 MAX_NUM_SEQS = 4
 SEQUENTIAL = {"strategy": "sequential"}  # one token per step: many steps per block

@@ -17,6 +17,8 @@ from test_server import chat_body, metric, wait_until_idle
 
 from vllm_diffusion.testing.server import vllm_server, vllm_server_process
 
+pytestmark = pytest.mark.engine
+
 BLOCK_SIZE = 16
 NAN, INF = float("nan"), float("inf")
 

@@ -11,6 +11,8 @@ from vllm import SamplingParams
 from vllm.exceptions import VLLMValidationError
 from vllm.inputs import TokensPrompt
 
+pytestmark = pytest.mark.engine
+
 BLOCK_SIZE = 8
 STEP_MAP = "diffusion_step_map"
 

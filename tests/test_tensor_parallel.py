@@ -16,6 +16,8 @@ from vllm.inputs import TokensPrompt
 from vllm_diffusion.offline import diffusion_llm
 from vllm_diffusion.policies.focus import FocusPolicyConfig
 
+pytestmark = pytest.mark.engine
+
 
 @pytest.fixture
 def two_cpu_ranks(monkeypatch):
