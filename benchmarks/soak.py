@@ -137,15 +137,16 @@ def metric(url: str, name: str) -> float:
     return sum(float(v) for v in values)
 
 
-def server_rss(process: psutil.Process) -> float:
-    """MiB resident in the API server and its children (the engine core)."""
-    total = 0
+def server_rss(process: psutil.Process) -> dict[str, float]:
+    """MiB resident per server process (API server, engine core, worker) and in all."""
+    by_process: dict[str, float] = {}
     for p in [process, *process.children(recursive=True)]:
         try:
-            total += p.memory_info().rss
+            name = "api_server" if p.pid == process.pid else p.name()
+            by_process[name] = by_process.get(name, 0.0) + p.memory_info().rss / 2**20
         except psutil.NoSuchProcess:
             pass
-    return total / 2**20
+    return {**by_process, "total": sum(by_process.values())}
 
 
 def main() -> None:
@@ -169,6 +170,7 @@ def main() -> None:
         soak.reference = soak.reference_answer()
         server = psutil.Process(popen.pid)
         rss: list[tuple[float, float]] = []
+        rss_by_process: list[tuple[float, dict[str, float]]] = []
         start = time.monotonic()
         deadline = start + args.minutes * 60
         counter = iter(range(10**9))
@@ -182,7 +184,9 @@ def main() -> None:
             last_report = start
             while not all(c.done() for c in clients):
                 now = time.monotonic()
-                rss.append((now - start, server_rss(server)))
+                sample = server_rss(server)
+                rss.append((now - start, sample["total"]))
+                rss_by_process.append((now - start, sample))
                 if now - last_report >= 60:
                     last_report = now
                     print(f"{(now - start) / 60:5.1f} min  sent {sum(soak.sent.values())}  "
@@ -200,9 +204,12 @@ def main() -> None:
                 break
             time.sleep(1)
         reference_after = soak.reference_answer()
-        rss.append((time.monotonic() - start, server_rss(server)))
+        rss.append((time.monotonic() - start, server_rss(server)["total"]))
     minute = max(1, int(60 / args.sample_seconds))
-    first, last = [r for _, r in rss[:minute]], [r for _, r in rss[-minute:]]
+    # The first minute is warm-up (allocator pools, caches); growth is judged after it.
+    warm = [r for t, r in rss if t >= 60] or [r for _, r in rss]
+    first, last = warm[:minute], warm[-minute:]
+    half = [(t, r) for t, r in rss if t >= rss[-1][0] / 2]
     report = {
         "policy": args.policy, "minutes": args.minutes, "concurrency": args.concurrency,
         "model": args.model,
@@ -213,16 +220,20 @@ def main() -> None:
         "failures": soak.failures[:50],
         "leaked_after": leaked,
         "reference_unchanged_after": reference_after == soak.reference,
-        "rss_mib": {"first_minute_median": statistics.median(first),
+        "rss_mib": {"second_minute_median": statistics.median(first),
                     "last_minute_median": statistics.median(last),
                     "max": max(r for _, r in rss),
                     "growth_percent": 100 * (statistics.median(last) / statistics.median(first)
-                                             - 1)},
+                                             - 1),
+                    "second_half_mib_per_minute": 60 * (half[-1][1] - half[0][1])
+                    / max(half[-1][0] - half[0][0], 1e-9)},
         "rss_samples": rss,
+        "rss_samples_by_process": rss_by_process,
     }
     args.out.write_text(json.dumps(report, indent=2) + "\n")
     plot(report, args.out.with_suffix(".png"))
-    print(json.dumps({k: v for k, v in report.items() if k not in ("rss_samples", "failures")},
+    print(json.dumps({k: v for k, v in report.items()
+                      if k not in ("rss_samples", "rss_samples_by_process", "failures")},
                      indent=1))
 
 

@@ -73,7 +73,7 @@ def test_focus_options_are_validated(dense_checkpoint):
 
     with diffusion_llm(dense_checkpoint, diffusion_block_size=8,
                        additional_config={"diffusion_policy": "focus", "alpha": 2.0}) as llm:
-        for extra, message in (({"alpha": 0.5}, r"'alpha' must be float in \[1.0, 64.0\]"),
+        for extra, message in (({"alpha": 0.5}, r"'alpha' must be float in \(1.0, 64.0\]"),
                                ({"pool_kernel": 4}, r"'pool_kernel' must be odd"),
                                ({"commit": "lazy"}, r"'commit' must be one of 'exact'"),
                                ({"commit": "delayed"}, r"'commit' is engine-wide")):
