@@ -92,7 +92,8 @@ class BlockDiffusionScheduler(Scheduler):
 
     def schedule(self, throttle_prefills: bool = False) -> SchedulerOutput:
         block = self.diffusion_block_size
-        # Entries left by a step whose execution raised (update_from_output never ran).
+        # Per-step entries: cleared here, so a step whose execution raised (and never
+        # reached update_from_output) leaves nothing behind.
         self._committed.clear()
         self._denoised.clear()
         for request in self.running:
@@ -167,7 +168,6 @@ class BlockDiffusionScheduler(Scheduler):
         reach the later layers (fewer when a policy evicts) ride in the per-position list.
         """
         denoised = [r for r in scheduler_output.num_scheduled_tokens if r in self._denoised]
-        self._denoised.clear()
         committed = sum(len(t) for t in runner_output.sampled_token_ids)
         positions = runner_output.block_positions
         return SpecDecodingStats(
