@@ -1,10 +1,10 @@
 """How much of a FOCUS step goes to FOCUS itself (importance, selection, compaction)?
 
-Times, inside one FOCUS run, the importance computation at layers 0/1, the selection of
-the retained set (budget, constraints, metadata compaction) and the compaction hooks,
-against the wall time of the whole run. The paper reports about 1% of step latency on
-GPUs with billion-parameter models; on this project's tiny CPU models the model's own
-compute is small, so the share here is an upper bound of what larger models would see.
+Times, inside one FOCUS run, FOCUS's forward hooks (the importance computation at layers
+0/1 and the selection of the retained set: budget, constraints) and the decoder stack's
+row and metadata compaction, against the wall time of the whole run. The paper reports
+about 1% of step latency on GPUs with billion-parameter models; on this project's tiny
+CPU models the model's own compute is small, so the share here is an upper bound of what larger models would see.
 
     python benchmarks/focus_overhead.py [--model DIR] [--block-size 32] [--batch-size 32]
 """
@@ -41,21 +41,24 @@ def main() -> None:
 
     from vllm import SamplingParams
 
-    from vllm_diffusion.attention import eviction, importance
+    from vllm_diffusion.attention.backend import BlockDiffusionMetadata
+    from vllm_diffusion.models import decoder_stack
+    from vllm_diffusion.policies.focus import hooks
     from vllm_diffusion.default_model import default_model_path
     from vllm_diffusion.offline import diffusion_llm
     from vllm_diffusion.quality.corpus import mixed_eval_examples
     from vllm_diffusion.quality.harness import chat_prompts
 
     totals: collections.Counter = collections.Counter()
-    importance.ImportanceProbe.observe = timed(totals, "importance",
-                                               importance.ImportanceProbe.observe)
-    eviction.EvictionStep.select = timed(totals, "selection_and_metadata_compaction",
-                                         eviction.EvictionStep.select)
-    eviction._compact_hidden_and_residual = timed(totals, "hidden_state_compaction",
-                                                  eviction._compact_hidden_and_residual)
-    eviction._compact_positions = timed(totals, "position_compaction",
-                                        eviction._compact_positions)
+    hooks.FocusStepHooks.__init__ = timed(totals, "hook_setup", hooks.FocusStepHooks.__init__)
+    hooks.FocusStepHooks.before_attention = timed(
+        totals, "importance_and_selection", hooks.FocusStepHooks.before_attention)
+    for name in ("keep_queries", "keep_keys"):
+        setattr(BlockDiffusionMetadata, name, timed(totals, "metadata_compaction",
+                                                    getattr(BlockDiffusionMetadata, name)))
+    compaction = decoder_stack.compaction_kernel
+    decoder_stack.compaction_kernel = lambda device: timed(
+        totals, "row_compaction", compaction(device))
     model = str(args.model or default_model_path())
     with diffusion_llm(model, diffusion_block_size=args.block_size, max_model_len=1024,
                        max_num_seqs=args.batch_size,

@@ -61,7 +61,7 @@ def assert_idle_and_correct(llm, reference_tokens) -> None:
     assert list(out.token_ids) == reference_tokens
     runner = runner_of(llm)
     llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
-    assert set(runner.block_canvases) <= set(runner.requests)  # finished requests dropped
+    assert set(runner.diffusion_requests) <= set(runner.requests)  # finished requests dropped
 
 
 NON_FINITE = [float("nan"), float("inf"), float("-inf"), "nan", "NaN", "inf", "-Infinity"]

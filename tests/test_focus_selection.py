@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from vllm_diffusion.policies.focus_selection import IntraBlockCache, select_retained, token_budget
+from vllm_diffusion.policies.focus.selection import IntraBlockCache, select_retained, token_budget
 
 T, F = True, False
 
@@ -28,6 +28,51 @@ def test_top_k_keeps_left_neighbours():
     everything = torch.ones(6, dtype=torch.bool)
     retained = select_retained(delta, everything, 2, everything, everything)
     assert retained.tolist() == [T, T, T, T, F, F]
+
+
+def test_selected_left_context_adds_only_masked_left_neighbours_of_selected():
+    # Positions 0-2 decoded and recomputed, 3-7 masked; top-2 by delta: 5 and 7.
+    delta = torch.tensor([0.0, 0.0, 0.0, 0.1, 0.2, 0.9, 0.3, 0.8])
+    processing = torch.ones(8, dtype=torch.bool)
+    candidates = bools(F, F, F, T, T, T, T, T)
+    paper = select_retained(delta, candidates, 2, processing, processing, "retained_left")
+    serving = select_retained(delta, candidates, 2, processing, processing, "selected_left")
+    # Paper: 0-2 kept (recomputed) and every retained position's left neighbour: 4 (left of
+    # 5) and 6 (left of 7). Serving code: the same here, as 4 and 6 are masked candidates.
+    assert paper.tolist() == [T, T, T, F, T, T, T, T]
+    assert serving.tolist() == [T, T, T, F, T, T, T, T]
+    # With the decoded positions frozen (not processed), the left neighbour of a retained
+    # decoded position differs: only the paper's rule pulls in masked 3 left of decoded 4.
+    candidates = bools(F, F, F, T, F, T, T, T)
+    processing = bools(F, F, F, T, T, T, T, T)
+    delta = torch.tensor([0.0, 0.0, 0.0, 0.1, 0.0, 0.9, 0.3, 0.8])
+    paper = select_retained(delta, candidates, 1, processing, processing, "retained_left")
+    serving = select_retained(delta, candidates, 1, processing, processing, "selected_left")
+    assert paper.tolist() == [F, F, F, T, T, T, F, F]  # 5, its left 4, and 4's left 3
+    assert serving.tolist() == [F, F, F, F, T, T, F, F]  # 5 and the recomputed 4 only
+
+
+def test_decode_rate_variants():
+    from vllm_diffusion.policies.focus.policy import FocusPolicyConfig, FocusRequestState
+
+    for rate, want in (("across_blocks", (2, 6, 3.0)), ("per_block", (0, 0, 1.0))):
+        config = FocusPolicyConfig(decode_rate=rate)
+        state = FocusRequestState(4)
+        state.start_block(0, False, config)
+        state.after_step(torch.ones(4, dtype=torch.bool), torch.ones(4, dtype=torch.bool), 4,
+                         config)
+        state.after_step(torch.zeros(4, dtype=torch.bool), torch.ones(4, dtype=torch.bool), 2,
+                         config)
+        state.start_block(4, False, config)  # the next block
+        assert (state.decoded_steps, state.decoded_tokens, state.mean_decoded) == want
+    config = FocusPolicyConfig(decode_rate="per_block")
+    state = FocusRequestState(4)
+    state.start_block(0, False, config)
+    state.after_step(torch.ones(4, dtype=torch.bool), torch.ones(4, dtype=torch.bool), 0,
+                     config)  # decoded nothing: not counted
+    state.after_step(torch.ones(4, dtype=torch.bool), torch.ones(4, dtype=torch.bool), 3,
+                     config)
+    assert (state.decoded_steps, state.decoded_tokens) == (1, 3)
 
 
 def test_never_processed_masks_left_of_the_rightmost_retained_are_kept():

@@ -1,6 +1,7 @@
 """The Triton FOCUS selection kernel against the torch reference, on a named grid of
 randomised blocks (ties in delta, frozen and never-processed positions, budgets from 0 to
-the block size). Natively on CUDA, else through Triton's interpreter in a subprocess."""
+the block size, both context rules). Natively on CUDA, else through Triton's interpreter
+in a subprocess."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import pytest
 import torch
 from kernel_harness import kernel_errors
 
-from vllm_diffusion.policies.focus_selection import batched_select_retained
+from vllm_diffusion.policies.focus.selection import batched_select_retained
 
 if importlib.util.find_spec("triton") is None:
     pytest.skip("Triton is not installed", allow_module_level=True)
@@ -36,11 +37,12 @@ def make_case(requests, block, levels, seed, device):
     candidates[1] = False  # nothing masked
     ever = torch.rand(requests, block, generator=gen) < 0.5
     budgets = torch.randint(0, block + 1, (requests,), generator=gen)
-    return [t.to(device) for t in (delta, candidates, budgets, processing, ever)]
+    selected_left = torch.rand(requests, generator=gen) < 0.5  # the two context rules
+    return [t.to(device) for t in (delta, candidates, budgets, processing, ever, selected_left)]
 
 
 def max_errors(device: str) -> dict[str, float]:
-    kernel = importlib.import_module("vllm_diffusion.policies.triton_focus_selection")
+    kernel = importlib.import_module("vllm_diffusion.policies.focus.triton_selection")
     errors = {}
     for name, case in GRID.items():
         args = make_case(*case, device=device)

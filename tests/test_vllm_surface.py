@@ -40,6 +40,22 @@ PARAMETERS = {
     "vllm.forward_context:set_forward_context": ('attn_metadata', 'vllm_config', 'num_tokens', 'num_tokens_across_dp', 'cudagraph_runtime_mode', 'batch_descriptor', 'ubatch_slices', 'slot_mapping', 'skip_compiled', 'is_padding'),
     "vllm.model_executor.models.qwen3:Qwen3ForCausalLM.__init__": ('self', 'vllm_config', 'prefix'),
     "vllm.model_executor.models.qwen3_moe:Qwen3MoeForCausalLM.__init__": ('self', 'vllm_config', 'prefix'),
+    "vllm.model_executor.models.qwen3:Qwen3Model.__init__": ('self', 'args', 'vllm_config', 'prefix', 'kwargs'),
+    "vllm.model_executor.models.qwen2:Qwen2Model.__init__": ('self', 'args', 'vllm_config', 'prefix', 'kwargs'),
+    "vllm.model_executor.models.qwen3_moe:Qwen3MoeModel.__init__": ('self', 'args', 'vllm_config', 'prefix', 'kwargs'),
+    "vllm.model_executor.models.qwen3_moe:Qwen3MoeSparseMoeBlock.__init__": ('self', 'vllm_config', 'prefix', 'is_fused_checkpoint_transposed'),
+    "vllm.model_executor.models.qwen2:Qwen2MLP.__init__": ('self', 'hidden_size', 'intermediate_size', 'hidden_act', 'quant_config', 'prefix'),
+    "vllm.model_executor.layers.attention:Attention.forward": ('self', 'query', 'key', 'value', 'output_shape', 'output_dtype'),
+    "vllm.model_executor.layers.rotary_embedding:get_rope": ('head_size', 'max_position', 'is_neox_style', 'rope_parameters', 'dtype', 'dual_chunk_attention_config', 'mrope_positions_factor'),
+    "vllm.model_executor.layers.linear:QKVParallelLinear.__init__": ('self', 'hidden_size', 'head_size', 'total_num_heads', 'total_num_kv_heads', 'bias', 'skip_bias_add', 'params_dtype', 'quant_config', 'prefix', 'return_bias', 'disable_tp', 'v_head_size'),
+    "vllm.model_executor.layers.linear:RowParallelLinear.__init__": ('self', 'input_size', 'output_size', 'bias', 'input_is_parallel', 'skip_bias_add', 'params_dtype', 'reduce_results', 'quant_config', 'prefix', 'return_bias', 'disable_tp'),
+    "vllm.model_executor.layers.vocab_parallel_embedding:ParallelLMHead.__init__": ('self', 'num_embeddings', 'embedding_dim', 'bias', 'params_dtype', 'org_num_embeddings', 'padding_size', 'quant_config', 'prefix', 'disable_tp'),
+    "vllm.transformers_utils.config:set_default_rope_theta": ('config', 'default_theta'),
+    "vllm.model_executor.models.utils:extract_layer_index": ('layer_name', 'num_attn_module'),
+    "vllm.config:get_current_vllm_config": (),
+    "vllm.model_executor.models.qwen3:Qwen3ForCausalLM.compute_logits": ('self', 'hidden_states'),
+    "vllm.model_executor.models.qwen3:Qwen3ForCausalLM.load_weights": ('self', 'weights'),
+    "vllm.model_executor.models.qwen3_moe:Qwen3MoeForCausalLM.load_weights": ('self', 'weights'),
     "vllm.model_executor.layers.attention:Attention.__init__": ('self', 'num_heads', 'head_size', 'scale', 'num_kv_heads', 'alibi_slopes', 'use_alibi_sqrt', 'cache_config', 'quant_config', 'logits_soft_cap', 'per_layer_sliding_window', 'prefix', 'attn_type', 'kv_sharing_target_layer_name', 'mm_prefix_clamp_sliding_window', 'attn_backend', 'head_size_v', 'extra_impl_args'),
 }
 # Output types whose fields the project reads, fills or extends.
@@ -48,6 +64,7 @@ FIELDS = {
     "vllm.v1.engine:EngineCoreOutput": ("request_id", "new_token_ids", "finish_reason",
                                         "events", "trace_headers", "kv_transfer_params"),
     "vllm.v1.engine:EngineCoreOutputs": ("outputs",),
+    "vllm.forward_context:ForwardContext": ("attn_metadata",),
 }
 
 _PROBE = r"""

@@ -21,8 +21,7 @@ ENGINE_KEYS = ("diffusion_policy", "diffusion_block_size", "mask_token_id")
 # Per-request keys that are not policy options; ``diffusion_policy`` is checked separately.
 REQUEST_KEYS = ("diffusion_policy", "return_step_map")
 _REQUEST_RULES = {"return_step_map": Rule(bool)}
-# Where a request's step map travels (kv_transfer_params of its outputs) and is kept (an
-# attribute of vLLM's Request in the scheduler, freed with it).
+# Where a request's step map travels to the client (kv_transfer_params of its outputs).
 STEP_MAP_KEY = "diffusion_step_map"
 _RESOLVED_KEY = "_vllm_diffusion_resolved"
 
@@ -37,6 +36,10 @@ class DiffusionEngineConfig:
     @property
     def policy(self) -> type:
         return POLICIES[self.policy_name]
+
+    def make_policy(self):
+        """The engine's policy instance (one per runner)."""
+        return self.policy(self.block_size, self.mask_token_id, self.policy_config)
 
     def to_dict(self) -> dict[str, Any]:
         return {

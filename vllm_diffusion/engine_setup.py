@@ -60,15 +60,8 @@ class DiffusionModelConfigHook(VerifyAndUpdateConfig):
                 f"diffusion block size ({block}); use --max-model-len "
                 f"{model_config.max_model_len // block * block}"
             )
-        if config.policy_name == "focus" and hf_config.num_hidden_layers < 2:
-            raise ValueError("the focus policy evicts after layer 1; the model has "
-                             f"{hf_config.num_hidden_layers} layer(s)")
-        if (getattr(config.policy_config, "commit", "exact") == "delayed"
-                and vllm_config.cache_config.enable_prefix_caching):
-            raise ValueError(
-                "commit='delayed' leaves committed KV approximate, so it must not be shared "
-                "through the prefix cache; add --no-enable-prefix-caching "
-                "(enable_prefix_caching=False)")
+        config.make_policy().check_engine(hf_config.num_hidden_layers,
+                                          bool(vllm_config.cache_config.enable_prefix_caching))
         if vllm_config.speculative_config is not None:
             raise ValueError("speculative decoding cannot be combined with block diffusion")
 

@@ -1,10 +1,13 @@
 """vLLM attention backend for block-diffusion steps.
 
 The diffusion runner builds ``BlockDiffusionMetadata`` itself for every step (one object
-shared by all layers); the backend stores this step's keys/values at the given slots and
-runs block-causal attention over each request's paged KV: the Triton kernel on CUDA, the
-vectorised torch version elsewhere; both have the signature of the torch reference
-(``block_attention.block_causal_attention``) and are tested against it.
+shared by all layers); the backend stores the keys/values of every key row at the given
+slots and runs block-causal attention for the query rows over each request's paged KV:
+the Triton kernel on CUDA, the vectorised torch version elsewhere; both have the signature
+of the torch reference (``block_attention.block_causal_attention``) and are tested
+against it. The decoder stack may drop query rows at a layer (``keep_queries``: that
+layer still stores every row's keys/values) and then key rows (``keep_keys``), and may
+restrict each request's visible keys for one layer (``key_mask``).
 """
 
 from __future__ import annotations
@@ -24,32 +27,38 @@ from vllm.v1.attention.backend import (
 
 from vllm_diffusion.attention import block_attention
 from vllm_diffusion.attention.block_attention import write_kv
-from vllm_diffusion.attention.eviction import EVICTION_LAYER, EvictionStep
-from vllm_diffusion.attention.importance import ImportanceProbe, layer_index
 
 
 @dataclass
 class BlockDiffusionMetadata:
-    num_actual_tokens: int
+    num_actual_tokens: int  # query rows
     query_positions: torch.Tensor  # [T] absolute positions of the query rows
-    slot_mapping: torch.Tensor  # [T] KV slot of each row, -1 = not stored
+    slot_mapping: torch.Tensor  # [T_kv] KV slot of each key row, -1 = not stored
     block_table: torch.Tensor  # [R, max_pages] page ids per request
     query_start_loc: list[int]  # R + 1 row offsets per request (host)
     kv_lens: list[int]  # R: keys [0, kv_len) are visible to request r (host)
     diffusion_block_size: int
-    importance: ImportanceProbe | None = None  # set when candidates' importance is wanted
-    eviction: EvictionStep | None = None  # set for FOCUS steps
+    # [R, max kv_len] bool: keys each request may see at the current layer (None: all)
+    key_mask: torch.Tensor | None = None
 
-    def compact(self, keep_rows: torch.Tensor, keep: torch.Tensor) -> None:
-        """Keep only the query rows ``keep_rows`` (``keep``: [T] bool, host) from here on."""
+    def keep_queries(self, keep: torch.Tensor, kv_lens: dict[int, int]) -> None:
+        """Keep the query rows where ``keep`` ([T] bool, host) is set, and give the named
+        requests new key lengths; key rows are unchanged until ``keep_keys``."""
+        keep_rows = torch.nonzero(keep).flatten().to(self.query_positions.device)
         self.query_positions = self.query_positions[keep_rows]
-        self.slot_mapping = self.slot_mapping[keep_rows]
         counts = [int(keep[a:b].sum()) for a, b in
                   zip(self.query_start_loc[:-1], self.query_start_loc[1:])]
         self.query_start_loc = [0]
         for count in counts:
             self.query_start_loc.append(self.query_start_loc[-1] + count)
         self.num_actual_tokens = len(keep_rows)
+        for request, kv_len in kv_lens.items():
+            self.kv_lens[request] = kv_len
+
+    def keep_keys(self, keep: torch.Tensor) -> None:
+        """Keep the key rows where ``keep`` ([T_kv] bool, host) is set."""
+        self.slot_mapping = self.slot_mapping[torch.nonzero(keep).flatten()
+                                              .to(self.slot_mapping.device)]
 
 
 def attention_kernel(device: torch.device):
@@ -122,7 +131,6 @@ class BlockDiffusionAttentionImpl(AttentionImpl[BlockDiffusionMetadata]):
         self.head_size = head_size
         self.scale = scale
         self.num_kv_heads = num_kv_heads or num_heads
-        self.layer_index: int | None = None
 
     def forward(self, layer: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
                 value: torch.Tensor, kv_cache: torch.Tensor,
@@ -130,21 +138,10 @@ class BlockDiffusionAttentionImpl(AttentionImpl[BlockDiffusionMetadata]):
                 output_scale=None, output_block_scale=None) -> torch.Tensor:
         if attn_metadata is None:  # vLLM's profiling runs carry no metadata
             return output.zero_()
-        if self.layer_index is None:
-            self.layer_index = layer_index(layer.layer_name)
         md = attn_metadata
-        n = md.num_actual_tokens
-        if md.importance is not None:
-            md.importance.observe(layer.layer_name, query[:n], key[:n], self.scale)
-        write_kv(kv_cache, key[:n], value[:n], md.slot_mapping)
-        rows = slice(0, n)
-        if md.eviction is not None and self.layer_index == EVICTION_LAYER:
-            # Every processed row has stored its layer-1 KV; from here on only kept rows.
-            md.eviction.select(md)
-            if md.eviction.keep_rows is not None:
-                output[:n].zero_()
-                rows = md.eviction.keep_rows
-        output[rows] = attention_kernel(query.device)(
-            query[rows], kv_cache, md.query_positions, md.query_start_loc, md.kv_lens,
-            md.block_table, md.diffusion_block_size, self.scale)
+        n, n_kv = md.num_actual_tokens, len(md.slot_mapping)
+        write_kv(kv_cache, key[:n_kv], value[:n_kv], md.slot_mapping)
+        output[:n] = attention_kernel(query.device)(
+            query[:n], kv_cache, md.query_positions, md.query_start_loc, md.kv_lens,
+            md.block_table, md.diffusion_block_size, self.scale, md.key_mask)
         return output

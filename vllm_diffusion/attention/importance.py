@@ -7,20 +7,14 @@ from q and k after q/k-norm and RoPE:
     S~[h, a, b] = max(S[h, a, b-1], S[h, a, b], S[h, a, b+1])   MaxPool1D over keys (kernel 3)
     I[b]        = sum_h sum_a softmax_b(S~[h, a, :])[b]  total incoming attention
 
-and the importance delta is ``I(layer 1) - I(layer 0)``. Neighbours in the pooling are
+and FOCUS's importance delta is ``I(layer 1) - I(layer 0)`` (``policies/focus/hooks.py``). Neighbours in the pooling are
 adjacent candidates (the compacted candidate list), as in the FOCUS implementation.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import re
-
 import torch
 import torch.nn.functional as F
-
-IMPORTANCE_LAYERS = (0, 1)
-
 
 def candidate_importance(query: torch.Tensor, key: torch.Tensor, scale: float,
                          pool_kernel: int = 3) -> torch.Tensor:
@@ -103,41 +97,3 @@ def reduce_over_tensor_parallel_heads(scores: list[torch.Tensor | None]) -> list
         out.append(total[offset:offset + len(s)])
         offset += len(s)
     return out
-
-
-_LAYER_INDEX = re.compile(r"layers\.(\d+)\.")
-
-
-def layer_index(layer_name: str) -> int:
-    match = _LAYER_INDEX.search(layer_name)
-    return int(match.group(1)) if match else -1
-
-
-@dataclasses.dataclass
-class ImportanceProbe:
-    """Asks the attention layers 0 and 1 for the importance of candidate rows.
-
-    rows[r]: indices (into this step's query rows) of request r's candidates, or None.
-    pool_kernels[r]: request r's MaxPool1D kernel (default 3 for all).
-    Filled by the attention backend: scores[layer][r] = I of request r's candidates.
-    """
-
-    rows: list[torch.Tensor | None]
-    pool_kernels: list[int] | None = None
-    scores: dict[int, list[torch.Tensor | None]] = dataclasses.field(default_factory=dict)
-
-    def observe(self, layer_name: str, query: torch.Tensor, key: torch.Tensor,
-                scale: float) -> None:
-        index = layer_index(layer_name)
-        if index not in IMPORTANCE_LAYERS:
-            return
-        kernels = self.pool_kernels or [3] * len(self.rows)
-        scores = importance_kernel(query.device)(query, key, self.rows, scale, kernels)
-        self.scores[index] = reduce_over_tensor_parallel_heads(scores)
-
-    def delta(self, request: int) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(I(layer 1) - I(layer 0), I(layer 1)) of one request's candidates."""
-        first, second = (self.scores.get(i) for i in IMPORTANCE_LAYERS)
-        if first is None or second is None or second[request] is None:
-            return None
-        return second[request] - first[request], second[request]

@@ -67,8 +67,14 @@ def _block_causal_attention_kernel(
 def block_causal_attention(query: torch.Tensor, kv_cache: torch.Tensor,
                            query_positions: torch.Tensor, query_start_loc: list[int],
                            kv_lens: list[int], block_table: torch.Tensor,
-                           diffusion_block_size: int, scale: float) -> torch.Tensor:
-    """See ``block_attention.block_causal_attention``; shapes and semantics are identical."""
+                           diffusion_block_size: int, scale: float,
+                           key_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """See ``block_attention.block_causal_attention``; shapes and semantics are identical,
+    except that a key mask (a policy's key selection) is not supported yet."""
+    if key_mask is not None:
+        raise NotImplementedError(
+            "the Triton block-attention kernel does not take a key mask yet; a policy that "
+            "selects keys runs on the torch attention path only")
     num_rows, num_heads, head_size = query.shape
     output = torch.empty_like(query)
     if num_rows == 0:

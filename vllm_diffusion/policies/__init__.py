@@ -1,8 +1,14 @@
-"""Decoding policies, one small module each. ``POLICIES`` maps a policy name to its class."""
+"""Decoding policies, one module (or small package) each, behind ``base.DecodingPolicy``.
 
+``POLICIES`` maps a policy name to its class; adding a policy is one module plus one entry
+here.
+"""
+
+from vllm_diffusion.policies.base import DecodingPolicy
 from vllm_diffusion.policies.focus import FocusPolicy
 from vllm_diffusion.policies.standard import StandardPolicy
 
-POLICIES = {cls.name: cls for cls in (StandardPolicy, FocusPolicy)}
+POLICIES: dict[str, type[DecodingPolicy]] = {
+    cls.name: cls for cls in (StandardPolicy, FocusPolicy)}
 
-__all__ = ["POLICIES", "FocusPolicy", "StandardPolicy"]
+__all__ = ["POLICIES", "DecodingPolicy"]

@@ -15,11 +15,16 @@ from vllm.v1.outputs import ModelRunnerOutput
 
 @dataclasses.dataclass
 class DiffusionRunnerOutput(ModelRunnerOutput):
-    # This step's block positions through the policy's first layers and through the
-    # layers after its eviction point (equal when nothing is evicted).
+    # This step's block positions entering the model and reaching its last layer (equal
+    # when the policy drops no row).
     block_positions: tuple[int, int] = (0, 0)
-    # req_id -> the denoising step that unmasked each token of its sampled_token_ids
-    # (only for requests that asked for a step map).
+    # req_id -> its committed prefix (exact KV) once this step ran, for every request
+    # the step planned; the scheduler rolls num_computed_tokens back to it.
+    committed_prefix: dict[str, int] = dataclasses.field(default_factory=dict)
+    # blocks denoised this step (one per request that reached its current block)
+    denoised_blocks: int = 0
+    # req_id -> the denoising step that unmasked each of its output tokens so far (only
+    # for requests that asked for a step map and emitted tokens this step).
     step_maps: dict[str, list[int]] = dataclasses.field(default_factory=dict)
     # req_id -> why the host-side policy work of that request failed this step; the
     # scheduler finishes exactly these requests with an error.

@@ -43,3 +43,59 @@ def propose_tokens(logits: torch.Tensor, mask_token_id: int, temperature: float,
     probs = filter_top_k_top_p(logits / temperature, top_k, top_p).softmax(dim=-1)
     tokens = torch.multinomial(probs, 1, generator=generator)  # [n, 1]
     return tokens.squeeze(1), probs.gather(1, tokens).squeeze(1)
+
+
+def batched_filter_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor,
+                               top_p: torch.Tensor) -> torch.Tensor:
+    """``filter_top_k_top_p`` with a top_k and top_p per row ([n] each)."""
+    vocab = logits.shape[-1]
+    sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+    k = torch.where((top_k > 0) & (top_k < vocab), top_k, torch.full_like(top_k, vocab))
+    kth = sorted_logits.gather(1, (k - 1)[:, None])
+    logits = logits.masked_fill(logits < kth, float("-inf"))
+    nucleus = top_p < 1.0
+    if bool(nucleus.any()):
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        probs = sorted_logits.softmax(dim=-1)
+        drop_sorted = (probs.cumsum(dim=-1) - probs) >= top_p[:, None]
+        drop_sorted[:, 0] = False  # the most likely token always stays
+        drop_sorted &= nucleus[:, None]
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    return logits
+
+
+def propose_for_requests(logits: torch.Tensor, mask_token_id: int, counts: list[int],
+                         params: list, generators: list) -> tuple[torch.Tensor, torch.Tensor]:
+    """Proposals for the rows of several requests at once. logits: [n, V], request i owns
+    the next ``counts[i]`` rows; ``params[i]`` its sampling parameters (temperature, top_k,
+    top_p) and ``generators[i]`` its generator. Greedy rows are decided together; sampled
+    rows are filtered together and drawn per request, with its own generator, in request
+    order (so a seeded request draws exactly as when proposed alone)."""
+    logits = logits.float()
+    logits[:, mask_token_id] = float("-inf")
+    confidence, tokens = logits.softmax(dim=-1).max(dim=-1)
+    sampled = [i for i, p in enumerate(params) if p.temperature >= _GREEDY_EPS]
+    if not sampled:
+        return tokens, confidence
+    starts = [0]
+    for count in counts:
+        starts.append(starts[-1] + count)
+    spans = [range(starts[i], starts[i + 1]) for i in sampled]
+    rows = torch.tensor([row for span in spans for row in span], dtype=torch.long)
+    per_row = [(params[i].temperature, params[i].top_k, params[i].top_p)
+               for i, span in zip(sampled, spans) for _ in span]
+    temperature, top_k, top_p = zip(*per_row)
+    rows_device = rows.to(logits.device)
+    scaled = logits[rows_device] / torch.tensor(temperature, device=logits.device)[:, None]
+    probs = batched_filter_top_k_top_p(
+        scaled, torch.tensor(top_k, device=logits.device),
+        torch.tensor(top_p, dtype=torch.float32, device=logits.device)).softmax(dim=-1)
+    offset = 0
+    for i, span in zip(sampled, spans):
+        part = probs[offset:offset + len(span)]
+        drawn = torch.multinomial(part, 1, generator=generators[i])  # [n_i, 1]
+        tokens[rows_device[offset:offset + len(span)]] = drawn.squeeze(1)
+        confidence[rows_device[offset:offset + len(span)]] = part.gather(1, drawn).squeeze(1)
+        offset += len(span)
+    return tokens, confidence

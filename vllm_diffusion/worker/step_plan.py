@@ -16,29 +16,9 @@ import dataclasses
 
 import torch
 
-
-@dataclasses.dataclass
-class BlockCanvas:
-    """The current block of one request, as the runner denoises it."""
-
-    start: int  # absolute position of the block's first token
-    tokens: torch.Tensor  # [B] int64 (host), mask_token_id where undecided
-    policy_config: object
-    steps: int = 0  # denoising steps taken on this block
-    first_step: int = 0  # the request's denoising steps before this block
-    # [B] int64 (host): the request's denoising step (0-based) that unmasked each position;
-    # -1 where the position is fixed (prompt tail) or still masked
-    decoded_at: torch.Tensor | None = None
-
-    def __post_init__(self) -> None:
-        if self.decoded_at is None:
-            self.decoded_at = torch.full_like(self.tokens, -1)
-
-    def commit(self, positions: torch.Tensor, proposals: torch.Tensor) -> None:
-        """Unmask ``positions`` ([B] bool) with ``proposals`` ([B] int64); one step done."""
-        self.tokens[positions] = proposals[positions]
-        self.decoded_at[positions] = self.first_step + self.steps
-        self.steps += 1
+from vllm_diffusion.policies.base import DecodingPolicy, ForwardStep, StepRequest
+from vllm_diffusion.worker.geometry import BlockGeometry
+from vllm_diffusion.worker.request_state import BlockCanvas, DiffusionRequest
 
 
 @dataclasses.dataclass
@@ -47,48 +27,66 @@ class RequestRows:
     positions: list[int]
     token_ids: list[int]
     kv_len: int
-    canvas: BlockCanvas | None  # None: prefill-only rows, no logits
+    committed: int  # the committed prefix once this step ran
+    request: DiffusionRequest | None  # None: prefill-only rows, no logits
     # [n] block-relative positions computed this step (the request's last n rows)
     block_positions: torch.Tensor | None = None
 
+    @property
+    def canvas(self) -> BlockCanvas | None:
+        return self.request.canvas if self.request is not None else None
 
-def plan_request(req_id: str, token_ids: list[int], num_computed: int,
-                 num_scheduled: int, block_size: int, mask_token_id: int,
-                 canvas: BlockCanvas | None, policy_config: object,
-                 processing=None, commit_positions: torch.Tensor | None = None) -> RequestRows:
-    """Rows of one request for this step; creates or reuses the request's canvas.
 
-    ``processing(canvas) -> [B] bool`` picks the block positions to compute (default: all).
-    ``commit_positions``: [B] bool; when the step commits exactly one completed block, only
-    these of its positions are recomputed (the others keep their cached KV).
+def plan_request(req_id: str, token_ids: list[int], num_computed: int, num_scheduled: int,
+                 geometry: BlockGeometry, mask_token_id: int, request: DiffusionRequest,
+                 policy: DecodingPolicy) -> RequestRows:
+    """Rows of one request for this step; moves the request to its current block.
+
+    The policy picks the block positions to compute (``positions_to_compute``) and, when
+    the step commits exactly the block the request just completed, which of its positions
+    to recompute (``commit_positions``; the others keep their cached KV).
     """
-    if num_computed % block_size:
-        raise RuntimeError(
-            f"request {req_id}: committed prefix {num_computed} is not on a diffusion "
-            f"block boundary ({block_size})")
+    geometry.check_committed(req_id, num_computed)
     num_tokens = len(token_ids)
-    end = num_computed + num_scheduled
-    if end < num_tokens:
-        prefill_end = end // block_size * block_size
-        return RequestRows(req_id, list(range(num_computed, prefill_end)),
-                           token_ids[num_computed:prefill_end], prefill_end, None)
-    block_start = num_tokens // block_size * block_size
-    if canvas is None or canvas.start != block_start:
-        tokens = torch.full((block_size,), mask_token_id, dtype=torch.long)
-        fixed = token_ids[block_start:]
-        tokens[:len(fixed)] = torch.tensor(fixed, dtype=torch.long)
-        first_step = canvas.first_step + canvas.steps if canvas is not None else 0
-        canvas = BlockCanvas(block_start, tokens, policy_config, first_step=first_step)
-    block_end = block_start + block_size
-    computed = (torch.arange(block_size) if processing is None
-                else torch.nonzero(processing(canvas)).flatten())
+    committed = geometry.committed_after_step(num_computed, num_scheduled, num_tokens)
+    if not geometry.reaches_block(num_computed, num_scheduled, num_tokens):
+        return RequestRows(req_id, list(range(num_computed, committed)),
+                           token_ids[num_computed:committed], committed, committed, None)
+    block_size = geometry.block_size
+    block_start = geometry.block_start(num_tokens)
     commit = list(range(num_computed, block_start))
-    if commit_positions is not None and len(commit) == block_size:
-        commit = [p for p, keep in zip(commit, commit_positions.tolist()) if keep]
+    previous = request.canvas
+    if len(commit) == block_size and previous is not None and previous.start == num_computed:
+        keep = policy.commit_positions(request)
+        if keep is not None:
+            commit = [p for p, kept in zip(commit, keep.tolist()) if kept]
+    canvas, _ = request.block_for(block_start, token_ids[block_start:], block_size,
+                                  mask_token_id)
+    # Recomputing the committed prefix (a resumed preemption) means the block's KV pages
+    # were freed.
+    chosen = policy.positions_to_compute(request, kv_lost=num_computed < block_start)
+    computed = (torch.arange(block_size) if chosen is None
+                else torch.nonzero(chosen).flatten())
     return RequestRows(
         req_id, commit + (computed + block_start).tolist(),
-        [token_ids[p] for p in commit] + canvas.tokens[computed].tolist(), block_end,
-        canvas, computed)
+        [token_ids[p] for p in commit] + canvas.tokens[computed].tolist(),
+        block_start + block_size, committed, request, computed)
+
+
+def forward_step(rows: list[RequestRows], device: torch.device) -> ForwardStep:
+    """What the policy's forward hooks see of a step's rows."""
+    requests, offset = [], 0
+    for r in rows:
+        span = range(offset, offset + len(r.positions))
+        offset = span.stop
+        if r.request is None:
+            requests.append(StepRequest(None, span, None, None))
+            continue
+        first_block_row = span.stop - len(r.block_positions)
+        requests.append(StepRequest(r.request, span,
+                                    torch.arange(first_block_row, span.stop),
+                                    r.block_positions))
+    return ForwardStep(requests, offset, device)
 
 
 def emit_final_tokens(canvas: BlockCanvas, num_tokens: int, mask_token_id: int) -> list[int]:

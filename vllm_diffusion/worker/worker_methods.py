@@ -12,9 +12,13 @@ class DiffusionWorkerMethods:
 
     def start_importance_recording(self) -> None:
         """Record FOCUS importance (layers 0/1) of masked positions at every step."""
-        self.model_runner.importance_records = []
+        from vllm_diffusion.worker.importance_recording import ImportanceRecorder
+
+        runner = self.model_runner
+        runner.importance_recorder = ImportanceRecorder(runner.diffusion.mask_token_id)
 
     def take_importance_records(self) -> list[dict[str, list]]:
         """The records since start_importance_recording(); recording stops."""
-        records, self.model_runner.importance_records = self.model_runner.importance_records, None
-        return records or []
+        recorder, self.model_runner.importance_recorder = (
+            self.model_runner.importance_recorder, None)
+        return recorder.records if recorder is not None else []

@@ -1,0 +1,170 @@
+"""The pure pieces behind the policy interface, without an engine: block geometry,
+planning a step, the batched commit choice against its per-block reference, the policy
+registry and the row bookkeeping of the hooks."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from vllm_diffusion.policies import POLICIES
+from vllm_diffusion.policies.base import DecodingPolicy, LayerInput
+from vllm_diffusion.policies.focus import FocusPolicy, FocusPolicyConfig
+from vllm_diffusion.policies.standard import (STRATEGIES, StandardPolicyConfig,
+                                              batched_choose_commits, choose_commits)
+from vllm_diffusion.worker.geometry import BlockGeometry
+from vllm_diffusion.worker.request_state import DiffusionRequest
+from vllm_diffusion.worker.step_plan import forward_step, plan_request
+
+MASK = 99
+
+
+# ------------------------------------------------------------------ geometry
+@pytest.mark.parametrize("block", [1, 4, 32])
+def test_geometry_committed_prefix(block):
+    g = BlockGeometry(block)
+    for num_tokens, num_computed in itertools.product(range(0, 70, 3), range(0, 64, block)):
+        if num_computed > num_tokens:
+            continue
+        reach = g.block_end(num_tokens) - num_computed
+        assert g.committed_after_step(num_computed, reach, num_tokens) == \
+            num_tokens // block * block
+        chunk = (num_tokens - num_computed) // 2
+        if chunk and num_computed + chunk < num_tokens:  # a partial prefill chunk
+            assert g.committed_after_step(num_computed, chunk, num_tokens) == \
+                (num_computed + chunk) // block * block
+
+
+# ------------------------------------------------------------------ planning
+class ComputeEven(DecodingPolicy):
+    """Test policy: computes the even block positions and recomputes position 0 only at
+    commit."""
+
+    name = "compute-even"
+    config_cls = StandardPolicyConfig
+
+    def positions_to_compute(self, request, kv_lost):
+        return torch.arange(self.block_size) % 2 == 0
+
+    def commit_positions(self, request):
+        keep = torch.zeros(self.block_size, dtype=torch.bool)
+        keep[0] = True
+        return keep
+
+    def choose_commits(self, batch):
+        return batch.masked
+
+
+def new_request(policy):
+    return DiffusionRequest("r", StandardPolicyConfig(), policy.new_state(None), False)
+
+
+def test_plan_first_step_prefill_and_block():
+    policy = ComputeEven(4, MASK, StandardPolicyConfig())
+    request = new_request(policy)
+    tokens = list(range(10))  # prompt of 10: blocks [0,4), [4,8) and tail 8, 9
+    rows = plan_request("r", tokens, 0, 12, BlockGeometry(4), MASK, request, policy)
+    assert rows.positions == [0, 1, 2, 3, 4, 5, 6, 7, 8, 10]
+    assert rows.token_ids == tokens[:8] + [8, MASK]
+    assert rows.kv_len == 12 and rows.committed == 8
+    assert request.canvas.tokens.tolist() == [8, 9, MASK, MASK]
+    assert rows.block_positions.tolist() == [0, 2]
+
+
+def test_plan_partial_prefill_chunk_has_no_block():
+    policy = ComputeEven(4, MASK, StandardPolicyConfig())
+    request = new_request(policy)
+    rows = plan_request("r", list(range(10)), 0, 6, BlockGeometry(4), MASK, request, policy)
+    assert rows.positions == [0, 1, 2, 3] and rows.request is None and rows.committed == 4
+
+
+def test_plan_commit_of_the_completed_block_uses_the_policys_positions():
+    policy = ComputeEven(4, MASK, StandardPolicyConfig())
+    request = new_request(policy)
+    geometry = BlockGeometry(4)
+    plan_request("r", [1, 2], 0, 4, geometry, MASK, request, policy)  # block [0, 4)
+    # The block completed: tokens 1, 2, 5, 6 known; next step commits [0, 4).
+    rows = plan_request("r", [1, 2, 5, 6], 0, 8, geometry, MASK, request, policy)
+    assert rows.positions == [0, 4, 6]  # commit position 0 only, then block [4, 8) evens
+    assert rows.token_ids == [1, MASK, MASK]
+    assert request.canvas.start == 4 and request.canvas.first_step == 0
+
+
+def test_plan_refuses_a_committed_prefix_off_the_block_grid():
+    policy = ComputeEven(4, MASK, StandardPolicyConfig())
+    with pytest.raises(RuntimeError, match="not on a diffusion block boundary"):
+        plan_request("r", list(range(10)), 3, 9, BlockGeometry(4), MASK, new_request(policy),
+                     policy)
+
+
+def test_forward_step_block_rows():
+    policy = ComputeEven(4, MASK, StandardPolicyConfig())
+    geometry = BlockGeometry(4)
+    a, b = new_request(policy), new_request(policy)
+    rows = [plan_request("a", list(range(10)), 0, 12, geometry, MASK, a, policy),
+            plan_request("b", list(range(10)), 0, 6, geometry, MASK, b, policy),
+            plan_request("c", list(range(5)), 4, 4, geometry, MASK, new_request(policy), policy)]
+    step = forward_step(rows, torch.device("cpu"))
+    assert step.num_rows == 10 + 4 + 2
+    assert step.requests[0].block_rows.tolist() == [8, 9]
+    assert step.requests[1].block_rows is None and step.requests[1].rows == range(10, 14)
+    assert step.requests[2].block_rows.tolist() == [14, 15]
+
+
+# ------------------------------------------------------------- commit choice
+def random_blocks(seed, rows, block):
+    gen = torch.Generator().manual_seed(seed)
+    levels = torch.randint(1, 6, (rows, block), generator=gen).float() / 5  # with ties
+    masked = torch.rand(rows, block, generator=gen) < 0.6
+    masked[0] = False  # nothing left to decode
+    masked[1] = True
+    # As in the engine: every choosable (masked, computed) position has a probability;
+    # the others may be -inf (not computed).
+    hidden = ~masked & (torch.rand(rows, block, generator=gen) < 0.5)
+    confidence = torch.where(hidden, torch.full_like(levels, float("-inf")), levels)
+    return confidence, masked, gen
+
+
+# name: (rows, block size, seed)
+COMMIT_GRID = {"b1": (6, 1, 0), "b4": (24, 4, 1), "b16": (24, 16, 2), "b32": (16, 32, 3),
+               "b20": (12, 20, 4)}
+
+
+@pytest.mark.parametrize("name", COMMIT_GRID)
+def test_batched_commit_choice_matches_the_per_block_reference(name):
+    rows, block, seed = COMMIT_GRID[name]
+    confidence, masked, gen = random_blocks(seed, rows, block)
+    configs = [StandardPolicyConfig(
+        strategy=STRATEGIES[i % len(STRATEGIES)], threshold=[0.0, 0.5, 0.9, 1.0][i % 4],
+        denoising_steps=None if i % 3 else max(1, block // 2)) for i in range(rows)]
+    steps = torch.randint(0, block + 2, (rows,), generator=gen)
+    got = batched_choose_commits(
+        confidence, masked, steps,
+        torch.tensor([c.steps_for(block) for c in configs]),
+        torch.tensor([STRATEGIES.index(c.strategy) for c in configs]),
+        torch.tensor([c.threshold for c in configs]))
+    for i, config in enumerate(configs):
+        want = choose_commits(confidence[i], masked[i], int(steps[i]), block, config)
+        assert got[i].tolist() == want.tolist(), (i, config)
+
+
+# ---------------------------------------------------------------- registry
+def test_registry_and_interface():
+    assert set(POLICIES) == {"standard", "focus"}
+    for name, cls in POLICIES.items():
+        assert issubclass(cls, DecodingPolicy) and cls.name == name
+    with pytest.raises(ValueError, match="evicts after layer 3"):
+        FocusPolicy(4, MASK, FocusPolicyConfig(eviction_layer=3)).check_engine(3, False)
+    with pytest.raises(ValueError, match="prefix cache"):
+        FocusPolicy(4, MASK, FocusPolicyConfig(commit="delayed")).check_engine(4, True)
+
+
+def test_layer_input_maps_step_rows_to_current_rows():
+    untouched = LayerInput(0, torch.arange(6))
+    assert untouched.current_rows(torch.tensor([2, 5])).tolist() == [2, 5]
+    compacted = LayerInput(3, torch.tensor([0, 2, 3, 5]))
+    assert compacted.current_rows(torch.tensor([2, 5])).tolist() == [1, 3]
+    with pytest.raises(RuntimeError, match="dropped"):
+        compacted.current_rows(torch.tensor([1]))

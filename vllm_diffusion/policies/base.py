@@ -1,0 +1,174 @@
+"""The decoding-policy interface: what the runner and the model call, for any policy.
+
+A policy is one class (plus its typed config) registered by name in ``POLICIES``. The
+engine holds one instance; per request it keeps the policy's state and options. One
+denoising step calls, in order:
+
+1. ``positions_to_compute(request, kv_lost)`` per request: the block positions computed
+   this step (default: all); ``commit_positions(request)`` when the step commits a
+   completed block: which of its positions are recomputed (default: all, the exact
+   commit);
+2. ``forward_hooks(step)`` once: an object whose methods the decoder stack calls at the
+   layers it declares (``LayerHooks``) -- after a layer's keys/values are computed and
+   before its attention (``before_attention``: may drop rows; their KV at that layer is
+   still stored), after a layer's output (``after_output``: may drop rows), and inside
+   attention (``select_keys``: restricts the keys each request's queries see);
+3. ``choose_commits(batch)`` once for all requests: which masked positions to unmask;
+4. ``after_step(request, ...)`` per request, and ``on_block_complete(request)`` when its
+   block has no masked position left.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+from typing import Any, ClassVar
+
+import torch
+
+from vllm_diffusion.worker.request_state import DiffusionRequest
+
+
+class PolicyConfig:
+    """Base of the policies' typed option dataclasses (see ``options.option``)."""
+
+    # Options a request may not override (set once for the engine).
+    engine_only: ClassVar[tuple[str, ...]] = ()
+
+    def validate_for_block(self, block_size: int, source: str) -> None:
+        """Checks that need the block size; raise ``OptionError`` naming the option."""
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerHooks:
+    """The layers at which a step's hooks run (layer indices of the decoder stack)."""
+
+    before_attention: tuple[int, ...] = ()
+    after_output: tuple[int, ...] = ()
+    select_keys: tuple[int, ...] = ()
+
+
+@dataclasses.dataclass
+class StepRequest:
+    """One request of a step as the forward hooks see it."""
+
+    request: DiffusionRequest | None  # None: prefill-only rows (no block this step)
+    rows: range  # its query rows in the step
+    block_rows: torch.Tensor | None  # [n] query rows of its computed block positions
+    block_positions: torch.Tensor | None  # [n] block-relative positions of those rows
+
+
+@dataclasses.dataclass
+class ForwardStep:
+    requests: list[StepRequest]
+    num_rows: int
+    device: torch.device
+
+
+@dataclasses.dataclass
+class RowSelection:
+    """Rows that continue past a hook. ``keep``: [T] bool (host) over the rows that
+    entered the layer; ``kv_lens``: request index -> its new key length from this layer's
+    attention on (requests not named keep theirs)."""
+
+    keep: torch.Tensor
+    kv_lens: dict[int, int] | None = None
+
+
+@dataclasses.dataclass
+class LayerInput:
+    """What a hook reads. ``rows``: [T'] step rows (original indices) entering the layer;
+    ``query`` [T', H, D] and ``key`` [T', H_kv, D] after q/k-norm and RoPE (attention
+    hooks) or ``hidden`` [T', hidden] (output hooks); ``scale``: the attention scale."""
+
+    layer: int
+    rows: torch.Tensor
+    query: torch.Tensor | None = None
+    key: torch.Tensor | None = None
+    hidden: torch.Tensor | None = None
+    scale: float = 1.0
+
+    def current_rows(self, step_rows: torch.Tensor) -> torch.Tensor:
+        """Indices, among the rows entering this layer, of the step rows ``step_rows``
+        (all of which must still be present)."""
+        if not len(self.rows) or len(self.rows) == int(self.rows[-1]) + 1:
+            return step_rows  # no row dropped yet (rows ascend)
+        index = torch.full((int(self.rows[-1]) + 1,), -1, dtype=torch.long)
+        index[self.rows] = torch.arange(len(self.rows))
+        current = index[step_rows]
+        if bool((current < 0).any()):
+            raise RuntimeError("a hook asked for rows an earlier hook dropped")
+        return current
+
+
+class StepHooks:
+    """A step's forward hooks; the defaults keep every row and every key."""
+
+    layers: LayerHooks = LayerHooks()
+
+    def before_attention(self, layer_input: LayerInput) -> RowSelection | None:
+        return None
+
+    def after_output(self, layer_input: LayerInput) -> RowSelection | None:
+        return None
+
+    def select_keys(self, layer_input: LayerInput) -> list[torch.Tensor | None] | None:
+        """Per request: [kv_len] bool of the key positions its queries may see (None:
+        all). Only honoured where the attention kernel supports it."""
+        return None
+
+
+@dataclasses.dataclass
+class CommitBatch:
+    """Every denoised block of a step, stacked. confidence: [R, B] float32 (host) of each
+    proposal, -inf where not proposed; masked: [R, B] bool, masked positions that were
+    computed through every layer (the only ones that may be chosen)."""
+
+    requests: list[DiffusionRequest]
+    confidence: torch.Tensor
+    masked: torch.Tensor
+
+
+class DecodingPolicy(abc.ABC):
+    name: ClassVar[str]
+    config_cls: ClassVar[type[PolicyConfig]]
+
+    def __init__(self, block_size: int, mask_token_id: int, engine_config: Any) -> None:
+        self.block_size = block_size
+        self.mask_token_id = mask_token_id
+        self.engine_config = engine_config  # the engine's defaults of config_cls
+
+    def check_engine(self, num_layers: int, prefix_caching: bool) -> None:
+        """Raise ``ValueError`` if the policy (with the engine's options) cannot run on a
+        model of this depth, or with this prefix-caching setting."""
+
+    def new_state(self, config: Any) -> Any:
+        """The policy's state for a new request with options ``config``."""
+        return None
+
+    def positions_to_compute(self, request: DiffusionRequest,
+                             kv_lost: bool) -> torch.Tensor | None:
+        """[B] bool: block positions to compute this step; None: the whole block.
+        ``kv_lost``: the block's KV pages were freed (a resumed preemption)."""
+        return None
+
+    def commit_positions(self, request: DiffusionRequest) -> torch.Tensor | None:
+        """[B] bool: positions of the just-completed block to recompute when committing
+        it; None: all of them (the exact commit)."""
+        return None
+
+    def forward_hooks(self, step: ForwardStep) -> StepHooks | None:
+        return None
+
+    @abc.abstractmethod
+    def choose_commits(self, batch: CommitBatch) -> torch.Tensor:
+        """[R, B] bool: positions to unmask; a subset of ``batch.masked`` with at least
+        one position per request that has one."""
+
+    def after_step(self, request: DiffusionRequest, masked_before: torch.Tensor,
+                   computed: torch.Tensor, num_decoded: int) -> None:
+        """masked_before: [B] bool before this step's commit; computed: [B] bool, the
+        positions that went through every layer."""
+
+    def on_block_complete(self, request: DiffusionRequest) -> None:
+        """The request's block has no masked position left."""

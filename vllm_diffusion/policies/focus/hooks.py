@@ -1,0 +1,106 @@
+"""FOCUS inside the forward: importance at two layers, then row selection.
+
+``FocusStepHooks`` runs before the attention of layers ``L - 1`` and ``L`` (L =
+``eviction_layer``). At both it computes the importance of every evicting request's masked
+candidates from that layer's queries and keys; at L, once every row's keys/values are
+known (the decoder stack stores them for all rows), it asks each request's state for its
+budget, selects the retained positions for all requests in one batched call, and returns
+the rows that continue. An evicting request's keys are cut after its rightmost retained
+position: positions left of it have KV at every layer (placeholder integrity), positions
+right of it may not. Rows that are not block rows of an evicting request (prefill and
+commit rows, and requests with ``evict=False``) always continue.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from vllm_diffusion.attention.importance import (importance_kernel,
+                                                 reduce_over_tensor_parallel_heads)
+from vllm_diffusion.policies.base import (ForwardStep, LayerHooks, LayerInput, RowSelection,
+                                          StepHooks, StepRequest)
+from vllm_diffusion.policies.focus.selection import selection_kernel
+
+
+@dataclasses.dataclass
+class EvictingBlock:
+    index: int  # the request's index in the step
+    step_request: StepRequest
+    processing: torch.Tensor  # [B] bool, block positions computed this step
+    candidates: torch.Tensor  # [B] bool, masked positions (all processed)
+    candidate_rows: torch.Tensor  # [n] step rows of the candidates, ascending
+
+
+class FocusStepHooks(StepHooks):
+    def __init__(self, step: ForwardStep, eviction_layer: int, mask_token_id: int) -> None:
+        self.layers = LayerHooks(before_attention=(eviction_layer - 1, eviction_layer))
+        self.eviction_layer = eviction_layer
+        self.device = step.device
+        self.blocks: list[EvictingBlock] = []
+        for index, s in enumerate(step.requests):
+            if s.request is None or not s.request.policy_config.evict:
+                continue
+            masked = s.request.canvas.masked(mask_token_id)
+            processing = torch.zeros_like(masked)
+            processing[s.block_positions] = True
+            self.blocks.append(EvictingBlock(
+                index, s, processing, processing & masked,
+                s.block_rows[masked[s.block_positions]]))
+        self.importance: dict[int, list[torch.Tensor | None]] = {}
+
+    def before_attention(self, layer_input: LayerInput) -> RowSelection | None:
+        rows = [layer_input.current_rows(b.candidate_rows).to(self.device) for b in self.blocks]
+        kernels = [b.step_request.request.policy_config.pool_kernel for b in self.blocks]
+        scores = importance_kernel(layer_input.query.device)(
+            layer_input.query, layer_input.key, rows, layer_input.scale, kernels)
+        self.importance[layer_input.layer] = reduce_over_tensor_parallel_heads(scores)
+        if layer_input.layer != self.eviction_layer:
+            return None
+        return self._select(layer_input)
+
+    def _select(self, layer_input: LayerInput) -> RowSelection | None:
+        first, second = (self.importance[self.eviction_layer - 1],
+                         self.importance[self.eviction_layer])
+        evicting, deltas, budgets = [], [], []
+        for block, before, after in zip(self.blocks, first, second):
+            state = block.step_request.request.policy_state
+            config = block.step_request.request.policy_config
+            delta = torch.zeros(block.processing.shape[0])
+            if after is not None:
+                delta[block.candidates] = (after - before).float().cpu()
+            budget = state.budget(delta, block.candidates, config)
+            if budget is not None:
+                evicting.append(block)
+                deltas.append(delta)
+                budgets.append(budget)
+        if not evicting:
+            return None
+        device = self.device
+        retained = selection_kernel(device)(
+            torch.stack(deltas).to(device),
+            torch.stack([b.candidates for b in evicting]).to(device),
+            torch.tensor(budgets, device=device),
+            torch.stack([b.processing for b in evicting]).to(device),
+            torch.stack([b.step_request.request.policy_state.ever_processed
+                         for b in evicting]).to(device),
+            torch.tensor([b.step_request.request.policy_config.context_rule == "selected_left"
+                          for b in evicting], device=device)).cpu()
+        keep = torch.ones(len(layer_input.rows), dtype=torch.bool)
+        kv_lens = {}
+        for block, kept in zip(evicting, retained):
+            s = block.step_request
+            keep[layer_input.current_rows(s.block_rows)] = kept[s.block_positions]
+            if not torch.equal(kept, block.processing):
+                rightmost = int(torch.nonzero(kept).max())
+                kv_lens[block.index] = s.request.canvas.start + rightmost + 1
+        return RowSelection(keep, kv_lens)
+
+    def delta(self, block: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(I(L) - I(L-1), I(L)) of the candidates of ``self.blocks[block]``."""
+        first = self.importance.get(self.eviction_layer - 1)
+        second = self.importance.get(self.eviction_layer)
+        if first is None or second is None or second[block] is None:
+            return None
+        return second[block] - first[block], second[block]

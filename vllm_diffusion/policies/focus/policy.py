@@ -1,0 +1,157 @@
+"""FOCUS: evict non-decodable tokens of a block after an early layer (arXiv 2601.23278).
+
+At layers ``eviction_layer - 1`` and ``eviction_layer`` (0 and 1 in the paper) the
+importance of every masked candidate (``attention/importance.py``) gives the delta
+I(L) - I(L-1); the top-K candidates by delta (K from ``token_budget``), with the
+structural constraints of ``select_retained``, continue through layer L's attention and
+every later layer; the others are evicted for this step and stay masked (``hooks.py``).
+Decoded positions stop being recomputed once they and their right neighbour are decoded
+(``IntraBlockCache``). The unmasking rule (the standard strategies) sees only retained
+positions. With ``evict=False`` and ``intra_block_cache=False`` every step computes the
+whole block and FOCUS decodes exactly like ``standard``.
+
+Variants, as named options (the paper's are the defaults):
+
+- ``decode_rate``: ``across_blocks`` keeps the running mean of tokens decoded per step over
+  the request (Eq. 17-19); ``per_block`` resets it at each block and skips steps that
+  decoded nothing (the authors' serving code).
+- ``context_rule``: see ``selection.CONTEXT_RULES``.
+
+Commit of a completed block: ``exact`` re-encodes the decoded block in the next step (its
+committed KV equals a clean forward); ``delayed`` recomputes only the positions the
+intra-block cache has not frozen (those decoded at the block's last steps), as the
+paper's implementation does, and keeps the frozen positions' KV.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, ClassVar
+
+import torch
+
+from vllm_diffusion.options import OptionError, Rule, option
+from vllm_diffusion.policies.base import ForwardStep, StepHooks
+from vllm_diffusion.policies.focus.hooks import FocusStepHooks
+from vllm_diffusion.policies.focus.selection import CONTEXT_RULES, IntraBlockCache, token_budget
+from vllm_diffusion.policies.standard import STRATEGIES, StandardPolicy, StandardPolicyConfig
+from vllm_diffusion.worker.request_state import DiffusionRequest
+
+DECODE_RATES = ("across_blocks", "per_block")
+
+
+@dataclasses.dataclass(frozen=True)
+class FocusPolicyConfig(StandardPolicyConfig):
+    # Options a request may not change: committed KV is shared through the prefix cache,
+    # and the layers the forward hooks run at are fixed for the engine.
+    engine_only: ClassVar[tuple[str, ...]] = ("commit", "eviction_layer")
+
+    strategy: str = option("threshold", Rule(str, choices=STRATEGIES))
+    threshold: float = option(0.8, Rule(float, low=0.0, high=1.0))  # the paper's setting
+    alpha: float = option(1.5, Rule(float, low=1.0, high=64.0, low_inclusive=False))  # > 1 (paper)
+    pool_kernel: int = option(3, Rule(int, low=1, high=15))
+    evict: bool = option(True, Rule(bool))
+    intra_block_cache: bool = option(True, Rule(bool))
+    commit: str = option("exact", Rule(str, choices=("exact", "delayed")))
+    eviction_layer: int = option(1, Rule(int, low=1, high=1024))
+    decode_rate: str = option("across_blocks", Rule(str, choices=DECODE_RATES))
+    context_rule: str = option("retained_left", Rule(str, choices=CONTEXT_RULES))
+
+    def validate_for_block(self, block_size: int, source: str) -> None:
+        super().validate_for_block(block_size, source)
+        if self.pool_kernel % 2 == 0:
+            raise OptionError(f"{source}: option 'pool_kernel' must be odd, got {self.pool_kernel}")
+
+
+@dataclasses.dataclass
+class FocusRequestState:
+    """FOCUS state of one request; the block-level parts reset at each block."""
+
+    block_size: int
+    decoded_steps: int = 0
+    decoded_tokens: int = 0
+    block_start: int = -1
+    cache: IntraBlockCache | None = None
+    # [B] bool: positions that went through every layer at some step of this block (so
+    # their KV is valid at all layers)
+    ever_processed: torch.Tensor | None = None
+
+    def start_block(self, block_start: int, kv_lost: bool, config: FocusPolicyConfig) -> None:
+        """Begin (or, when its KV was lost to a preemption, restart) the block."""
+        if block_start != self.block_start or kv_lost:
+            if block_start != self.block_start and config.decode_rate == "per_block":
+                self.decoded_steps = self.decoded_tokens = 0
+            self.block_start = block_start
+            self.cache = IntraBlockCache(self.block_size)
+            self.ever_processed = torch.zeros(self.block_size, dtype=torch.bool)
+
+    @property
+    def mean_decoded(self) -> float:
+        """Running mean of tokens decoded per step (1 before the first step)."""
+        return self.decoded_tokens / self.decoded_steps if self.decoded_steps else 1.0
+
+    def budget(self, delta: torch.Tensor, candidates: torch.Tensor,
+               config: FocusPolicyConfig) -> int | None:
+        """K for this step, or None when nothing is evicted. delta: [B] (read at candidates)."""
+        if not config.evict or not bool(candidates.any()):
+            return None
+        budget = token_budget(delta[candidates], self.mean_decoded, config.alpha, self.block_size)
+        return budget if budget < int(candidates.sum()) else None
+
+    def after_step(self, masked_before: torch.Tensor, computed: torch.Tensor,
+                   num_decoded: int, config: FocusPolicyConfig) -> None:
+        self.cache.update(masked_before)
+        self.ever_processed |= computed
+        if num_decoded or config.decode_rate == "across_blocks":
+            self.decoded_steps += 1
+            self.decoded_tokens += num_decoded
+
+
+class FocusPolicy(StandardPolicy):
+    """Unmasks like ``standard`` among the positions its forward hooks retained."""
+
+    name: ClassVar[str] = "focus"
+    config_cls: ClassVar[type] = FocusPolicyConfig
+
+    def __init__(self, block_size: int, mask_token_id: int,
+                 engine_config: FocusPolicyConfig) -> None:
+        super().__init__(block_size, mask_token_id, engine_config)
+        self.eviction_layer = engine_config.eviction_layer
+
+    def check_engine(self, num_layers: int, prefix_caching: bool) -> None:
+        if num_layers <= self.eviction_layer:
+            raise ValueError(f"the focus policy evicts after layer {self.eviction_layer} "
+                             f"(option 'eviction_layer'); the model has {num_layers} layer(s)")
+        if self.engine_config.commit == "delayed" and prefix_caching:
+            raise ValueError(
+                "commit='delayed' leaves committed KV approximate, so it must not be shared "
+                "through the prefix cache; add --no-enable-prefix-caching "
+                "(enable_prefix_caching=False)")
+
+    def new_state(self, config: Any) -> FocusRequestState:
+        return FocusRequestState(self.block_size)
+
+    def positions_to_compute(self, request: DiffusionRequest,
+                             kv_lost: bool) -> torch.Tensor | None:
+        state, config = request.policy_state, request.policy_config
+        state.start_block(request.canvas.start, kv_lost, config)
+        if not config.intra_block_cache:
+            return None
+        return state.cache.processing_set()
+
+    def commit_positions(self, request: DiffusionRequest) -> torch.Tensor | None:
+        state = request.policy_state
+        if request.policy_config.commit != "delayed" or state.cache is None:
+            return None
+        return state.cache.uncached.clone()
+
+    def forward_hooks(self, step: ForwardStep) -> StepHooks | None:
+        if not any(s.request is not None and s.request.policy_config.evict
+                   for s in step.requests):
+            return None
+        return FocusStepHooks(step, self.eviction_layer, self.mask_token_id)
+
+    def after_step(self, request: DiffusionRequest, masked_before: torch.Tensor,
+                   computed: torch.Tensor, num_decoded: int) -> None:
+        request.policy_state.after_step(masked_before, computed, num_decoded,
+                                        request.policy_config)
