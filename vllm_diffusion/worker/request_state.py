@@ -31,9 +31,10 @@ class BlockCanvas:
         if self.decoded_at is None:
             self.decoded_at = torch.full_like(self.tokens, -1)
 
-    def commit(self, positions: torch.Tensor, proposals: torch.Tensor) -> None:
-        """Unmask ``positions`` ([B] bool) with ``proposals`` ([B] int64); one step done."""
-        self.tokens[positions] = proposals[positions]
+    def commit(self, positions: torch.Tensor, tokens: torch.Tensor) -> None:
+        """One step done: ``positions`` ([B] bool) were unmasked; ``tokens`` ([B] int64) is
+        the block after it (the old tokens with the proposals at ``positions``)."""
+        self.tokens = tokens
         self.decoded_at[positions] = self.first_step + self.steps
         self.steps += 1
 

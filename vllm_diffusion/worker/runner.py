@@ -23,13 +23,14 @@ from vllm.logger import init_logger
 from vllm_diffusion.attention.backend import BlockDiffusionMetadata
 from vllm_diffusion.config import engine_config_from_vllm, wants_step_map
 from vllm_diffusion.models.decoder_stack import StackRun
-from vllm_diffusion.policies.base import CommitBatch, StepHooks
+from vllm_diffusion.policies.base import CommitBatch, ForwardStep, StepHooks
 from vllm_diffusion.worker.geometry import BlockGeometry
 from vllm_diffusion.worker.importance_recording import ImportanceRecorder
 from vllm_diffusion.worker.outputs import DiffusionRunnerOutput, empty_output
 from vllm_diffusion.worker.request_state import DiffusionRequest
 from vllm_diffusion.worker.sampling import propose_for_requests
 from vllm_diffusion.worker.step_plan import (
+    KnownTokens,
     RequestRows,
     decode_steps,
     emit_final_tokens,
@@ -70,8 +71,7 @@ class DenoisedBlock:
     """A request's block after the forward: the positions that reached the last layer."""
 
     rows: RequestRows
-    computed: torch.Tensor  # [n] block positions with logits, ascending
-    hidden_rows: torch.Tensor  # [n] their rows in the model output
+    num_computed: int  # its block positions with logits
 
 
 class DiffusionRunnerMixin:
@@ -113,7 +113,8 @@ class DiffusionRunnerMixin:
             if self.importance_recorder is not None:
                 hooks = self.importance_recorder.hooks(step, hooks)
             hidden_states, out_rows = self._forward(rows, hooks)
-            sampled_by_id, step_maps = self._denoise(rows, hidden_states, out_rows, failed)
+            sampled_by_id, step_maps = self._denoise(rows, step, hidden_states, out_rows,
+                                                     failed)
         stats.engine_steps += 1
         return DiffusionRunnerOutput(
             req_ids=req_ids,
@@ -144,7 +145,7 @@ class DiffusionRunnerMixin:
                                        wants_step_map(extra_args))
             self.diffusion_requests[req_id] = request
         return plan_request(
-            req_id, list(state.prompt_token_ids) + state.output_token_ids,
+            req_id, KnownTokens(state.prompt_token_ids, state.output_token_ids),
             state.num_computed_tokens, scheduler_output.num_scheduled_tokens[req_id],
             self.geometry, self.diffusion.mask_token_id, request, self.policy)
 
@@ -181,40 +182,41 @@ class DiffusionRunnerMixin:
         self.diffusion_stats.positions_computed += len(positions)
         return hidden_states, run.rows
 
-    def _denoised_blocks(self, rows: list[RequestRows],
-                         out_rows: torch.Tensor) -> list[DenoisedBlock]:
-        """Each block's positions whose rows reached the model output."""
-        output_index = torch.full((sum(len(r.positions) for r in rows),), -1, dtype=torch.long)
+    @staticmethod
+    def _denoised_blocks(rows: list[RequestRows], step: ForwardStep, out_rows: torch.Tensor
+                         ) -> tuple[list[DenoisedBlock], torch.Tensor, torch.Tensor]:
+        """The step's blocks and, over all their rows that reached the model output (in
+        request order): each row's output index and its (block, position) pair [n, 2]."""
+        output_index = torch.full((step.num_rows,), -1, dtype=torch.long)
         output_index[out_rows] = torch.arange(len(out_rows))
-        blocks, offset = [], 0
-        for r in rows:
-            offset += len(r.positions)
-            if r.request is None:
-                continue
-            index = output_index[offset - len(r.block_positions):offset]
-            alive = index >= 0
-            blocks.append(DenoisedBlock(r, r.block_positions[alive], index[alive]))
-        return blocks
+        entries = [(r, s) for r, s in zip(rows, step.requests) if r.request is not None]
+        if not entries:
+            return [], torch.empty(0, dtype=torch.long), torch.empty(0, 2, dtype=torch.long)
+        index = output_index[torch.cat([s.block_rows for _, s in entries])]
+        block_of = torch.repeat_interleave(torch.arange(len(entries)), torch.tensor(
+            [len(s.block_positions) for _, s in entries]))
+        where = torch.stack([block_of, torch.cat([s.block_positions for _, s in entries])], 1)
+        alive = index >= 0
+        counts = torch.bincount(block_of[alive], minlength=len(entries)).tolist()
+        blocks = [DenoisedBlock(r, n) for (r, _), n in zip(entries, counts)]
+        return blocks, index[alive], where[alive]
 
-    def _denoise(self, rows: list[RequestRows], hidden_states: torch.Tensor,
+    def _denoise(self, rows: list[RequestRows], step: ForwardStep, hidden_states: torch.Tensor,
                  out_rows: torch.Tensor, failed: dict[str, str]
                  ) -> tuple[dict[str, list[int]], dict[str, list[int]]]:
         """Unmask every block of the step; a request whose unmasking raises is recorded in
         ``failed`` and outputs nothing. Returns new final tokens and step maps by request."""
-        blocks = self._denoised_blocks(rows, out_rows)
+        blocks, hidden_index, where = self._denoised_blocks(rows, step, out_rows)
         if not blocks:
             return {}, {}
         block_size, mask_id = self.diffusion.block_size, self.diffusion.mask_token_id
-        hidden_index = torch.cat([b.hidden_rows for b in blocks]).to(self.device)
-        logits = self.model.compute_logits(hidden_states[hidden_index])  # [n, V]
+        logits = self.model.compute_logits(hidden_states[hidden_index.to(self.device)])  # [n, V]
         states = [self.requests[b.rows.req_id] for b in blocks]
         tokens, confidence = propose_for_requests(
-            logits, mask_id, [len(b.computed) for b in blocks],
+            logits, mask_id, [b.num_computed for b in blocks],
             [s.sampling_params for s in states], [s.generator for s in states])
         # Scatter the proposals into [R, B] (host), -inf / mask where not computed.
-        block_of_row = torch.repeat_interleave(
-            torch.arange(len(blocks)), torch.tensor([len(b.computed) for b in blocks]))
-        position_of_row = torch.cat([b.computed for b in blocks])
+        block_of_row, position_of_row = where[:, 0], where[:, 1]
         proposals = torch.full((len(blocks), block_size), mask_id, dtype=torch.long)
         proposals[block_of_row, position_of_row] = tokens.cpu()
         full_confidence = torch.full((len(blocks), block_size), float("-inf"))
@@ -224,6 +226,11 @@ class DiffusionRunnerMixin:
         masked = torch.stack([b.rows.canvas.masked(mask_id) for b in blocks])
         requests = [b.rows.request for b in blocks]
         commits = self._choose_commits(requests, full_confidence, masked & computed, failed)
+        # The blocks after this step's commits, for all requests at once.
+        tokens_after = torch.where(commits, proposals, torch.stack(
+            [b.rows.canvas.tokens for b in blocks]))
+        block_done = (tokens_after != mask_id).all(dim=1).tolist()
+        token_lists = tokens_after.tolist()
         sampled: dict[str, list[int]] = {}
         step_maps: dict[str, list[int]] = {}
         for i, (block, state) in enumerate(zip(blocks, states)):
@@ -231,8 +238,9 @@ class DiffusionRunnerMixin:
             if req_id in failed:
                 continue
             try:
-                sampled[req_id] = self._unmask(block, state, commits[i], proposals[i],
-                                               masked[i], computed[i])
+                sampled[req_id] = self._unmask(block, state, commits[i], tokens_after[i],
+                                               token_lists[i], block_done[i], masked[i],
+                                               computed[i])
             except Exception as err:  # noqa: BLE001 - isolated to this request
                 failed[req_id] = self._fail_request(req_id, "unmasking its block", err)
                 continue
@@ -258,22 +266,22 @@ class DiffusionRunnerMixin:
             return commits
 
     def _unmask(self, block: DenoisedBlock, state: Any, commit: torch.Tensor,
-                proposals: torch.Tensor, masked: torch.Tensor, computed: torch.Tensor
-                ) -> list[int]:
-        """Apply one request's commits ([B] bool) and return its newly final tokens."""
+                 tokens_after: torch.Tensor, token_list: list[int], block_done: bool,
+                 masked: torch.Tensor, computed: torch.Tensor) -> list[int]:
+        """Apply one request's commits ([B] bool; ``tokens_after``/``token_list``: its
+        block after them) and return its newly final tokens."""
         request, canvas = block.rows.request, block.rows.canvas
-        mask_id = self.diffusion.mask_token_id
-        canvas.commit(commit, proposals)
+        canvas.commit(commit, tokens_after)
         num_decoded = int(commit.sum())
         self.policy.after_step(request, masked, computed, num_decoded)
         if self.importance_recorder is not None:
             self.importance_recorder.record(request, masked, commit)
-        block_done = not bool(canvas.masked(mask_id).any())
         if block_done:
             self.policy.on_block_complete(request)
         num_known = len(state.prompt_token_ids) + len(state.output_token_ids)
-        final = truncate_at_stop(emit_final_tokens(canvas, num_known, mask_id),
-                                 state.sampling_params, len(state.output_token_ids))
+        final = truncate_at_stop(
+            emit_final_tokens(token_list, canvas.start, num_known, self.diffusion.mask_token_id),
+            state.sampling_params, len(state.output_token_ids))
         if request.wants_step_map:
             request.step_map.extend(decode_steps(canvas, num_known, len(final)))
         state.output_token_ids.extend(final)
@@ -282,7 +290,7 @@ class DiffusionRunnerMixin:
         stats = self.diffusion_stats
         stats.denoising_steps += 1
         stats.block_positions_computed += len(block.rows.block_positions)
-        stats.block_positions_after_eviction += len(block.computed)
+        stats.block_positions_after_eviction += block.num_computed
         stats.tokens_committed += len(final)
         stats.blocks_completed += int(block_done)
         return final

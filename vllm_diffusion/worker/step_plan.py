@@ -13,12 +13,33 @@ emitted output) and a scheduled range reaching ``C + N``:
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import torch
 
 from vllm_diffusion.policies.base import DecodingPolicy, ForwardStep, StepRequest
 from vllm_diffusion.worker.geometry import BlockGeometry
 from vllm_diffusion.worker.request_state import BlockCanvas, DiffusionRequest
+
+
+class KnownTokens:
+    """A request's prompt and emitted output as one read-only sequence, without copying
+    either (planning reads only the step's few rows)."""
+
+    def __init__(self, prompt: list[int], output: list[int]) -> None:
+        self.prompt, self.output = prompt, output
+
+    def __len__(self) -> int:
+        return len(self.prompt) + len(self.output)
+
+    def __getitem__(self, index: int | slice):
+        if isinstance(index, slice):
+            start, stop, _ = index.indices(len(self))
+            split = len(self.prompt)
+            return (list(self.prompt[start:min(stop, split)])
+                    + self.output[max(start - split, 0):max(stop - split, 0)])
+        return self.prompt[index] if index < len(self.prompt) else \
+            self.output[index - len(self.prompt)]
 
 
 @dataclasses.dataclass
@@ -37,7 +58,8 @@ class RequestRows:
         return self.request.canvas if self.request is not None else None
 
 
-def plan_request(req_id: str, token_ids: list[int], num_computed: int, num_scheduled: int,
+def plan_request(req_id: str, token_ids: KnownTokens | list[int], num_computed: int,
+                 num_scheduled: int,
                  geometry: BlockGeometry, mask_token_id: int, request: DiffusionRequest,
                  policy: DecodingPolicy) -> RequestRows:
     """Rows of one request for this step; moves the request to its current block.
@@ -55,22 +77,35 @@ def plan_request(req_id: str, token_ids: list[int], num_computed: int, num_sched
     block_size = geometry.block_size
     block_start = geometry.block_start(num_tokens)
     commit = list(range(num_computed, block_start))
+    commit_tokens = token_ids[num_computed:block_start]
     previous = request.canvas
     if len(commit) == block_size and previous is not None and previous.start == num_computed:
         keep = policy.commit_positions(request)
         if keep is not None:
-            commit = [p for p, kept in zip(commit, keep.tolist()) if kept]
+            kept = keep.tolist()
+            commit = [p for p, k in zip(commit, kept) if k]
+            commit_tokens = [t for t, k in zip(commit_tokens, kept) if k]
     canvas, _ = request.block_for(block_start, token_ids[block_start:], block_size,
                                   mask_token_id)
     # Recomputing the committed prefix (a resumed preemption) means the block's KV pages
     # were freed.
     chosen = policy.positions_to_compute(request, kv_lost=num_computed < block_start)
-    computed = (torch.arange(block_size) if chosen is None
-                else torch.nonzero(chosen).flatten())
+    if chosen is None:  # the whole block
+        return RequestRows(
+            req_id, commit + list(range(block_start, block_start + block_size)),
+            commit_tokens + canvas.tokens.tolist(), block_start + block_size, committed,
+            request, _whole_block(block_size))
+    computed = torch.nonzero(chosen).flatten()
     return RequestRows(
         req_id, commit + (computed + block_start).tolist(),
-        [token_ids[p] for p in commit] + canvas.tokens[computed].tolist(),
+        commit_tokens + canvas.tokens[computed].tolist(),
         block_start + block_size, committed, request, computed)
+
+
+@functools.lru_cache(maxsize=8)
+def _whole_block(block_size: int) -> torch.Tensor:
+    """[B] int64: 0..B-1 (shared, never written)."""
+    return torch.arange(block_size)
 
 
 def forward_step(rows: list[RequestRows], device: torch.device) -> ForwardStep:
@@ -89,11 +124,12 @@ def forward_step(rows: list[RequestRows], device: torch.device) -> ForwardStep:
     return ForwardStep(requests, offset, device)
 
 
-def emit_final_tokens(canvas: BlockCanvas, num_tokens: int, mask_token_id: int) -> list[int]:
-    """Decoded tokens extending the request's known tokens without a gap (final tokens)."""
-    tokens = canvas.tokens.tolist()
+def emit_final_tokens(block_tokens: list[int], block_start: int, num_tokens: int,
+                      mask_token_id: int) -> list[int]:
+    """Decoded tokens of the block (``block_tokens``, from ``block_start``) extending the
+    request's ``num_tokens`` known tokens without a gap: its newly final tokens."""
     run = []
-    for token in tokens[num_tokens - canvas.start:]:
+    for token in block_tokens[num_tokens - block_start:]:
         if token == mask_token_id:
             break
         run.append(token)
