@@ -5,7 +5,7 @@ engine holds one instance; per request it keeps the policy's state and options. 
 denoising step calls, in order:
 
 1. ``positions_to_compute(request, kv_lost)`` per request: the block positions computed
-   this step (default: all); ``commit_positions(request)`` when the step commits a
+   this step (default: all), and ``block_key_end`` how far into the block keys reach; ``commit_positions(request)`` when the step commits a
    completed block: which of its positions are recomputed (default: all, the exact
    commit);
 2. ``forward_hooks(step)`` once: an object whose methods the decoder stack calls at the
@@ -150,6 +150,13 @@ class DecodingPolicy(abc.ABC):
                              kv_lost: bool) -> torch.Tensor | None:
         """[B] bool: block positions to compute this step; None: the whole block.
         ``kv_lost``: the block's KV pages were freed (a resumed preemption)."""
+        return None
+
+    def block_key_end(self, request: DiffusionRequest,
+                      computed: torch.Tensor | None) -> int | None:
+        """How many of the block's positions (from its start) the step's keys reach, given
+        the positions computed (``computed``: [B] bool, None: all); None: the whole block.
+        Positions past it are neither computed nor attended to this step."""
         return None
 
     def commit_positions(self, request: DiffusionRequest) -> torch.Tensor | None:

@@ -9,6 +9,15 @@ Unmasking strategies follow SDAR's published ``generate.py`` and LMDeploy:
 - ``threshold`` (LMDeploy / SGLang): commit the most confident masked position plus every
   masked position with confidence at least ``threshold``.
 
+Chunked decoding (Optimus, section 4.4: streaming reorganisation), with ``chunk_size`` c:
+each step computes only the first c undecided positions of the block (re-chosen every
+step) and the decoded positions left of the c-th as context (all of the block once no
+more than c positions are undecided); nothing right of the window is computed or attended
+to, and only undecided positions in the window may be committed. Decoded positions left
+of the chunk are recomputed (exact) or, with ``chunk_reuse``, keep their KV by the
+intra-block cache's rule. With c = B and no reuse it is whole-block decoding. Committed KV
+is always exact.
+
 The quota of step ``s`` spreads the block over ``denoising_steps`` steps
 (``B // steps`` plus one for the first ``B % steps`` steps), so every strategy finishes a
 block within ``denoising_steps`` steps; ``threshold`` commits everything left at its last
@@ -18,12 +27,14 @@ allowed step.
 from __future__ import annotations
 
 import dataclasses
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 
 from vllm_diffusion.options import OptionError, Rule, option
 from vllm_diffusion.policies.base import CommitBatch, DecodingPolicy, PolicyConfig
+from vllm_diffusion.policies.block_cache import IntraBlockCache
+from vllm_diffusion.worker.request_state import DiffusionRequest
 
 STRATEGIES = ("low_confidence_dynamic", "low_confidence_static", "sequential", "threshold")
 
@@ -34,6 +45,9 @@ class StandardPolicyConfig(PolicyConfig):
     threshold: float = option(0.9, Rule(float, low=0.0, high=1.0))
     # Cap on denoising steps per block; None means one step per block position.
     denoising_steps: int | None = option(None, Rule(int, low=1, high=4096, optional=True))
+    # Positions computed per step (None: the whole block); must divide the block size.
+    chunk_size: int | None = option(None, Rule(int, low=1, high=1024, optional=True))
+    chunk_reuse: bool = option(False, Rule(bool))
 
     def validate_for_block(self, block_size: int, source: str) -> None:
         if self.denoising_steps is not None and self.denoising_steps > block_size:
@@ -41,6 +55,10 @@ class StandardPolicyConfig(PolicyConfig):
                 f"{source}: option 'denoising_steps' must be at most the block size "
                 f"({block_size}), got {self.denoising_steps}"
             )
+        if self.chunk_size is not None and block_size % self.chunk_size:
+            raise OptionError(
+                f"{source}: option 'chunk_size' must divide the block size ({block_size}), "
+                f"got {self.chunk_size}")
 
     def steps_for(self, block_size: int) -> int:
         return self.denoising_steps or block_size
@@ -126,11 +144,57 @@ def batched_choose_commits(confidence: torch.Tensor, masked: torch.Tensor,
     return choices[strategy, torch.arange(num_rows)]
 
 
+@dataclasses.dataclass
+class ChunkReuseState:
+    """Per request, with ``chunk_reuse``: the current block's intra-block cache."""
+
+    block_size: int
+    block_start: int = -1
+    cache: IntraBlockCache | None = None
+
+    def start_block(self, block_start: int, kv_lost: bool) -> None:
+        if block_start != self.block_start or kv_lost:
+            self.block_start = block_start
+            self.cache = IntraBlockCache(self.block_size)
+
+
 class StandardPolicy(DecodingPolicy):
-    """Computes the whole block every step; unmasks by one of ``STRATEGIES``."""
+    """Unmasks by one of ``STRATEGIES``, computing the whole block or a chunk of it."""
 
     name: ClassVar[str] = "standard"
     config_cls: ClassVar[type] = StandardPolicyConfig
+
+    def new_state(self, config: Any) -> ChunkReuseState | None:
+        return ChunkReuseState(self.block_size) if config.chunk_reuse else None
+
+    def positions_to_compute(self, request: DiffusionRequest,
+                             kv_lost: bool) -> torch.Tensor | None:
+        config = request.policy_config
+        if config.chunk_size is None and not config.chunk_reuse:
+            return None
+        masked = request.canvas.masked(self.mask_token_id)
+        undecided = torch.nonzero(masked).flatten()
+        chunk = config.chunk_size or self.block_size
+        # The window ends after the chunk-th undecided position, or at the block end when
+        # no more than a chunk is left undecided.
+        end = self.block_size if len(undecided) <= chunk else int(undecided[chunk - 1]) + 1
+        compute = torch.arange(self.block_size) < end
+        if config.chunk_reuse:
+            state = request.policy_state
+            state.start_block(request.canvas.start, kv_lost)
+            compute &= masked | state.cache.processing_set()
+        return compute
+
+    def block_key_end(self, request: DiffusionRequest,
+                      computed: torch.Tensor | None) -> int | None:
+        if computed is None or request.policy_config.chunk_size is None:
+            return None
+        return int(torch.nonzero(computed).max()) + 1
+
+    def after_step(self, request: DiffusionRequest, masked_before: torch.Tensor,
+                   computed: torch.Tensor, num_decoded: int) -> None:
+        if request.policy_config.chunk_reuse:
+            request.policy_state.cache.update(masked_before)
 
     def choose_commits(self, batch: CommitBatch) -> torch.Tensor:
         configs = [r.policy_config for r in batch.requests]

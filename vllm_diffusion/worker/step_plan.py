@@ -90,16 +90,18 @@ def plan_request(req_id: str, token_ids: KnownTokens | list[int], num_computed: 
     # Recomputing the committed prefix (a resumed preemption) means the block's KV pages
     # were freed.
     chosen = policy.positions_to_compute(request, kv_lost=num_computed < block_start)
+    key_end = policy.block_key_end(request, chosen)
+    kv_len = block_start + (block_size if key_end is None else key_end)
     if chosen is None:  # the whole block
         return RequestRows(
             req_id, commit + list(range(block_start, block_start + block_size)),
-            commit_tokens + canvas.tokens.tolist(), block_start + block_size, committed,
-            request, _whole_block(block_size))
+            commit_tokens + canvas.tokens.tolist(), kv_len, committed, request,
+            _whole_block(block_size))
     computed = torch.nonzero(chosen).flatten()
     return RequestRows(
         req_id, commit + (computed + block_start).tolist(),
-        commit_tokens + canvas.tokens[computed].tolist(),
-        block_start + block_size, committed, request, computed)
+        commit_tokens + canvas.tokens[computed].tolist(), kv_len, committed, request,
+        computed)
 
 
 @functools.lru_cache(maxsize=8)

@@ -61,6 +61,9 @@ class FocusPolicyConfig(StandardPolicyConfig):
         super().validate_for_block(block_size, source)
         if self.pool_kernel % 2 == 0:
             raise OptionError(f"{source}: option 'pool_kernel' must be odd, got {self.pool_kernel}")
+        if self.chunk_size is not None or self.chunk_reuse:
+            raise OptionError(f"{source}: options 'chunk_size' and 'chunk_reuse' are not "
+                              f"supported by the focus policy (use diffusion_policy standard)")
 
 
 @dataclasses.dataclass
@@ -138,6 +141,10 @@ class FocusPolicy(StandardPolicy):
         if not config.intra_block_cache:
             return None
         return state.cache.processing_set()
+
+    def block_key_end(self, request: DiffusionRequest,
+                      computed: torch.Tensor | None) -> int | None:
+        return None  # keys are cut inside the forward, at the eviction layer
 
     def commit_positions(self, request: DiffusionRequest) -> torch.Tensor | None:
         state = request.policy_state

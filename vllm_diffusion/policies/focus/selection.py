@@ -25,10 +25,11 @@ kernel on CUDA: ``selection_kernel``); tests check these pieces on hand-built in
 
 from __future__ import annotations
 
-import dataclasses
 import math
 
 import torch
+
+from vllm_diffusion.policies.block_cache import IntraBlockCache  # noqa: F401 - re-exported
 
 CONTEXT_RULES = ("retained_left", "selected_left")
 
@@ -86,33 +87,6 @@ def select_retained(delta: torch.Tensor, candidates: torch.Tensor, budget: int,
     if not bool(retained.any()):
         return processing.clone()
     return retained
-
-
-@dataclasses.dataclass
-class IntraBlockCache:
-    """Neighbour-aware delayed cache of one block (FOCUS Section 4.3)."""
-
-    block_size: int
-    uncached: torch.Tensor = None  # [B] bool, positions whose KV is not frozen
-    warm: bool = False  # False until the block's first step has processed everything
-
-    def __post_init__(self) -> None:
-        if self.uncached is None:
-            self.uncached = torch.ones(self.block_size, dtype=torch.bool)
-
-    def processing_set(self) -> torch.Tensor:
-        """[B] bool: the positions to compute this step."""
-        if not self.warm or not bool(self.uncached.any()):
-            return torch.ones(self.block_size, dtype=torch.bool)
-        return self.uncached.clone()
-
-    def update(self, masked_before_step: torch.Tensor) -> None:
-        """After a step, given which positions were masked before its unmasking."""
-        decoded = ~masked_before_step
-        right_decoded = torch.ones_like(decoded)  # the last position has no right neighbour
-        right_decoded[:-1] = decoded[1:]
-        self.uncached &= ~(decoded & right_decoded)
-        self.warm = True
 
 
 def batched_select_retained(delta: torch.Tensor, candidates: torch.Tensor,

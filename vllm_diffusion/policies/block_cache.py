@@ -1,0 +1,40 @@
+"""The neighbour-aware intra-block cache (FOCUS Section 4.3), shared by the policies that
+reuse decoded positions' KV within a block (FOCUS, chunked decoding with reuse).
+
+Which positions of a block a step processes: all of them on the block's first step;
+afterwards a decoded position is dropped once it and its right neighbour were both
+decoded before the step (so it is recomputed once with its real token first).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+
+@dataclasses.dataclass
+class IntraBlockCache:
+    """Neighbour-aware delayed cache of one block (FOCUS Section 4.3)."""
+
+    block_size: int
+    uncached: torch.Tensor = None  # [B] bool, positions whose KV is not frozen
+    warm: bool = False  # False until the block's first step has processed everything
+
+    def __post_init__(self) -> None:
+        if self.uncached is None:
+            self.uncached = torch.ones(self.block_size, dtype=torch.bool)
+
+    def processing_set(self) -> torch.Tensor:
+        """[B] bool: the positions to compute this step."""
+        if not self.warm or not bool(self.uncached.any()):
+            return torch.ones(self.block_size, dtype=torch.bool)
+        return self.uncached.clone()
+
+    def update(self, masked_before_step: torch.Tensor) -> None:
+        """After a step, given which positions were masked before its unmasking."""
+        decoded = ~masked_before_step
+        right_decoded = torch.ones_like(decoded)  # the last position has no right neighbour
+        right_decoded[:-1] = decoded[1:]
+        self.uncached &= ~(decoded & right_decoded)
+        self.warm = True
