@@ -5,6 +5,7 @@ registry and the row bookkeeping of the hooks."""
 from __future__ import annotations
 
 import itertools
+import types
 
 import pytest
 import torch
@@ -152,13 +153,14 @@ def test_batched_commit_choice_matches_the_per_block_reference(name):
 
 # ---------------------------------------------------------------- registry
 def test_registry_and_interface():
-    assert set(POLICIES) == {"standard", "focus"}
+    assert set(POLICIES) == {"standard", "focus", "elastic"}
     for name, cls in POLICIES.items():
         assert issubclass(cls, DecodingPolicy) and cls.name == name
+    three_layers, four_layers = (types.SimpleNamespace(num_hidden_layers=n) for n in (3, 4))
     with pytest.raises(ValueError, match="evicts after layer 3"):
-        FocusPolicy(4, MASK, FocusPolicyConfig(eviction_layer=3)).check_engine(3, False)
+        FocusPolicy(4, MASK, FocusPolicyConfig(eviction_layer=3)).bind_model(three_layers, False)
     with pytest.raises(ValueError, match="prefix cache"):
-        FocusPolicy(4, MASK, FocusPolicyConfig(commit="delayed")).check_engine(4, True)
+        FocusPolicy(4, MASK, FocusPolicyConfig(commit="delayed")).bind_model(four_layers, True)
 
 
 def test_layer_input_maps_step_rows_to_current_rows():

@@ -60,8 +60,8 @@ class DiffusionModelConfigHook(VerifyAndUpdateConfig):
                 f"diffusion block size ({block}); use --max-model-len "
                 f"{model_config.max_model_len // block * block}"
             )
-        config.make_policy().check_engine(hf_config.num_hidden_layers,
-                                          bool(vllm_config.cache_config.enable_prefix_caching))
+        config.make_policy().bind_model(hf_config,
+                                        bool(vllm_config.cache_config.enable_prefix_caching))
         if vllm_config.speculative_config is not None:
             raise ValueError("speculative decoding cannot be combined with block diffusion")
 

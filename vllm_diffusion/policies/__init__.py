@@ -5,10 +5,11 @@ here.
 """
 
 from vllm_diffusion.policies.base import DecodingPolicy
+from vllm_diffusion.policies.elastic import ElasticPolicy
 from vllm_diffusion.policies.focus import FocusPolicy
 from vllm_diffusion.policies.standard import StandardPolicy
 
 POLICIES: dict[str, type[DecodingPolicy]] = {
-    cls.name: cls for cls in (StandardPolicy, FocusPolicy)}
+    cls.name: cls for cls in (StandardPolicy, FocusPolicy, ElasticPolicy)}
 
 __all__ = ["POLICIES", "DecodingPolicy"]

@@ -2,7 +2,7 @@
 
 A policy is one class (plus its typed config) registered by name in ``POLICIES``. The
 engine holds one instance; per request it keeps the policy's state and options. One
-denoising step calls, in order:
+denoising step calls, in order (``begin_step`` first, with every scheduled request):
 
 1. ``positions_to_compute(request, kv_lost)`` per request: the block positions computed
    this step (default: all), and ``block_key_end`` how far into the block keys reach; ``commit_positions(request)`` when the step commits a
@@ -138,9 +138,13 @@ class DecodingPolicy(abc.ABC):
         self.mask_token_id = mask_token_id
         self.engine_config = engine_config  # the engine's defaults of config_cls
 
-    def check_engine(self, num_layers: int, prefix_caching: bool) -> None:
-        """Raise ``ValueError`` if the policy (with the engine's options) cannot run on a
-        model of this depth, or with this prefix-caching setting."""
+    def bind_model(self, hf_config: Any, prefix_caching: bool) -> None:
+        """Check that the policy (with the engine's options) can run on this model and with
+        this prefix-caching setting, and load what it needs for it; raise ``ValueError``
+        naming the problem. Called at start-up and where the policy runs."""
+
+    def begin_step(self, requests: list[DiffusionRequest]) -> None:
+        """A step starts for these requests (all scheduled ones), before any is planned."""
 
     def new_state(self, config: Any) -> Any:
         """The policy's state for a new request with options ``config``."""

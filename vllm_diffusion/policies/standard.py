@@ -145,10 +145,13 @@ def batched_choose_commits(confidence: torch.Tensor, masked: torch.Tensor,
 
 
 @dataclasses.dataclass
-class ChunkReuseState:
-    """Per request, with ``chunk_reuse``: the current block's intra-block cache."""
+class ChunkState:
+    """Per request: this step's chunk window and, with ``chunk_reuse``, the current
+    block's intra-block cache."""
 
     block_size: int
+    chunk: int | None = None  # this step's chunk size (None: whole block)
+    window_end: int | None = None  # block positions [0, window_end) computed or attended
     block_start: int = -1
     cache: IntraBlockCache | None = None
 
@@ -164,32 +167,34 @@ class StandardPolicy(DecodingPolicy):
     name: ClassVar[str] = "standard"
     config_cls: ClassVar[type] = StandardPolicyConfig
 
-    def new_state(self, config: Any) -> ChunkReuseState | None:
-        return ChunkReuseState(self.block_size) if config.chunk_reuse else None
+    def new_state(self, config: Any) -> ChunkState:
+        return ChunkState(self.block_size)
+
+    def chunk_for(self, request: DiffusionRequest) -> int | None:
+        """This step's chunk size for ``request`` (None: the whole block)."""
+        return request.policy_config.chunk_size
 
     def positions_to_compute(self, request: DiffusionRequest,
                              kv_lost: bool) -> torch.Tensor | None:
-        config = request.policy_config
-        if config.chunk_size is None and not config.chunk_reuse:
-            return None
+        config, state = request.policy_config, request.policy_state
+        state.chunk = chunk = self.chunk_for(request)
         masked = request.canvas.masked(self.mask_token_id)
         undecided = torch.nonzero(masked).flatten()
-        chunk = config.chunk_size or self.block_size
         # The window ends after the chunk-th undecided position, or at the block end when
         # no more than a chunk is left undecided.
-        end = self.block_size if len(undecided) <= chunk else int(undecided[chunk - 1]) + 1
-        compute = torch.arange(self.block_size) < end
-        if config.chunk_reuse:
-            state = request.policy_state
-            state.start_block(request.canvas.start, kv_lost)
-            compute &= masked | state.cache.processing_set()
+        whole = chunk is None or len(undecided) <= chunk
+        state.window_end = None if whole else int(undecided[chunk - 1]) + 1
+        if not config.chunk_reuse:
+            return None if whole else torch.arange(self.block_size) < state.window_end
+        state.start_block(request.canvas.start, kv_lost)
+        compute = masked | state.cache.processing_set()
+        if not whole:
+            compute &= torch.arange(self.block_size) < state.window_end
         return compute
 
     def block_key_end(self, request: DiffusionRequest,
                       computed: torch.Tensor | None) -> int | None:
-        if computed is None or request.policy_config.chunk_size is None:
-            return None
-        return int(torch.nonzero(computed).max()) + 1
+        return request.policy_state.window_end
 
     def after_step(self, request: DiffusionRequest, masked_before: torch.Tensor,
                    computed: torch.Tensor, num_decoded: int) -> None:

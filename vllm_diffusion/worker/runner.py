@@ -82,6 +82,8 @@ class DiffusionRunnerMixin:
         self.diffusion = engine_config_from_vllm(self.vllm_config)
         self.geometry = BlockGeometry(self.diffusion.block_size)
         self.policy = self.diffusion.make_policy()
+        self.policy.bind_model(self.vllm_config.model_config.hf_config,
+                               bool(self.cache_config.enable_prefix_caching))
         self.diffusion_requests: dict[str, DiffusionRequest] = {}
         self.diffusion_stats = DiffusionStats()
         self.importance_recorder: ImportanceRecorder | None = None  # the decodability study
@@ -97,12 +99,20 @@ class DiffusionRunnerMixin:
         # Host-side policy work of one request (planning here, unmasking after the
         # forward) that fails finishes only that request, with an error.
         failed: dict[str, str] = {}
-        rows = []
+        scheduled = []
         for req_id in req_ids:
             try:
-                rows.append(self._plan(req_id, scheduler_output))
+                scheduled.append(self._request_state(req_id))
             except Exception as err:  # noqa: BLE001 - isolated to this request
-                failed[req_id] = self._fail_request(req_id, "planning its step", err)
+                failed[req_id] = self._fail_request(req_id, "reading its options", err)
+        self.policy.begin_step(scheduled)
+        rows = []
+        for request in scheduled:
+            try:
+                rows.append(self._plan(request, scheduler_output))
+            except Exception as err:  # noqa: BLE001 - isolated to this request
+                failed[request.req_id] = self._fail_request(request.req_id,
+                                                            "planning its step", err)
         stats = self.diffusion_stats
         before = (stats.block_positions_computed, stats.block_positions_after_eviction)
         sampled_by_id: dict[str, list[int]] = {}
@@ -135,15 +145,20 @@ class DiffusionRunnerMixin:
         self.diffusion_requests.pop(req_id, None)
         return f"{type(err).__name__} while {doing}: {err}"
 
-    def _plan(self, req_id: str, scheduler_output: Any) -> RequestRows:
-        state = self.requests[req_id]
+    def _request_state(self, req_id: str) -> DiffusionRequest:
+        """The request's diffusion state, made at its first step."""
         request = self.diffusion_requests.get(req_id)
         if request is None:
-            extra_args = state.sampling_params.extra_args
+            extra_args = self.requests[req_id].sampling_params.extra_args
             config = self.diffusion.request_policy_config(extra_args)
             request = DiffusionRequest(req_id, config, self.policy.new_state(config),
                                        wants_step_map(extra_args))
             self.diffusion_requests[req_id] = request
+        return request
+
+    def _plan(self, request: DiffusionRequest, scheduler_output: Any) -> RequestRows:
+        req_id = request.req_id
+        state = self.requests[req_id]
         return plan_request(
             req_id, KnownTokens(state.prompt_token_ids, state.output_token_ids),
             state.num_computed_tokens, scheduler_output.num_scheduled_tokens[req_id],

@@ -121,7 +121,8 @@ class FocusPolicy(StandardPolicy):
         super().__init__(block_size, mask_token_id, engine_config)
         self.eviction_layer = engine_config.eviction_layer
 
-    def check_engine(self, num_layers: int, prefix_caching: bool) -> None:
+    def bind_model(self, hf_config: Any, prefix_caching: bool) -> None:
+        num_layers = hf_config.num_hidden_layers
         if num_layers <= self.eviction_layer:
             raise ValueError(f"the focus policy evicts after layer {self.eviction_layer} "
                              f"(option 'eviction_layer'); the model has {num_layers} layer(s)")

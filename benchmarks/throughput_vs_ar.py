@@ -1,0 +1,239 @@
+"""Output tokens/s against batch size: stock vLLM decoding the same weights autoregressively
+next to the plugin's configurations, in one run.
+
+The autoregressive baseline is what every user already has: the embedded checkpoint with
+its config switched to ``Qwen3ForCausalLM`` (same weights), served by stock vLLM with its
+defaults (compiled; ``--ar-eager`` for eager). The plugin runs eagerly (compiled execution
+is a separate issue). Configurations alternate within each round; each round opens one
+engine per configuration and runs every batch size on it. For batch size b, b greedy
+chat requests (the evaluation families interleaved) are submitted at once, repeated until
+at least ``--min-requests`` have run; tokens/s is total output tokens over wall time, the
+median over rounds. Reported next to it: the ratio to autoregressive, exact-match accuracy
+on all prompts of the run, and rows computed per committed token (prompt prefill and
+block commits included; for autoregressive decoding, prompt plus output tokens per output
+token). JSON and a PNG plot.
+
+    python tools/profile_latency.py --out results/latency.json
+    python benchmarks/throughput_vs_ar.py --latency-profile results/latency.json \
+        [--batch-sizes 1 2 4 8 16 32 64] [--rounds 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+# name: (diffusion block size, engine additional_config, per-request options); None: AR
+CONFIGS = {
+    "autoregressive": None,
+    "standard B=4": (4, {"diffusion_policy": "standard"}, {}),
+    "standard B=16": (16, {"diffusion_policy": "standard"}, {}),
+    "standard B=32": (32, {"diffusion_policy": "standard"}, {}),
+    "focus B=32": (32, {"diffusion_policy": "focus"}, {}),
+    "chunk 4 of B=32": (32, {"diffusion_policy": "standard"}, {"chunk_size": 4}),
+    "chunk 8 of B=32": (32, {"diffusion_policy": "standard"}, {"chunk_size": 8}),
+    "chunk 4 of B=32, reuse": (32, {"diffusion_policy": "standard"},
+                               {"chunk_size": 4, "chunk_reuse": True}),
+    "chunk 8 of B=32, reuse": (32, {"diffusion_policy": "standard"},
+                               {"chunk_size": 8, "chunk_reuse": True}),
+    # the latency profile is filled in from --latency-profile
+    "elastic B=32": (32, {"diffusion_policy": "elastic"}, {}),
+    "elastic B=32, exact": (32, {"diffusion_policy": "elastic"}, {"chunk_reuse": False}),
+}
+ELASTIC = [name for name, config in CONFIGS.items()
+           if config is not None and config[1]["diffusion_policy"] == "elastic"]
+
+
+def autoregressive_copy(checkpoint: pathlib.Path, into: pathlib.Path) -> pathlib.Path:
+    """The checkpoint with its config naming Qwen3 (the same weights, decoded AR)."""
+    target = into / "autoregressive"
+    shutil.copytree(checkpoint, target)
+    config = json.loads((target / "config.json").read_text())
+    config.update(architectures=["Qwen3ForCausalLM"], model_type="qwen3")
+    for key in ("block_size", "mask_token_id"):
+        config.pop(key, None)
+    (target / "config.json").write_text(json.dumps(config, indent=2))
+    return target
+
+
+def open_engine(name: str, model: pathlib.Path, ar_model: pathlib.Path, ar_eager: bool,
+                max_num_seqs: int):
+    from vllm import LLM
+
+    from vllm_diffusion.offline import diffusion_llm
+
+    if CONFIGS[name] is None:
+        llm = LLM(model=str(ar_model), dtype="float32", seed=0, max_model_len=1024,
+                  max_num_seqs=max_num_seqs, enforce_eager=ar_eager)
+        return _closing(llm)
+    block, engine, _ = CONFIGS[name]
+    return diffusion_llm(model, diffusion_block_size=block, max_model_len=1024,
+                         max_num_seqs=max_num_seqs, additional_config=engine)
+
+
+class _closing:
+    def __init__(self, llm) -> None:
+        self.llm = llm
+
+    def __enter__(self):
+        return self.llm
+
+    def __exit__(self, *exc) -> None:
+        import gc
+
+        from vllm.distributed import cleanup_dist_env_and_memory
+
+        self.llm.llm_engine.engine_core.shutdown()
+        del self.llm
+        gc.collect()
+        cleanup_dist_env_and_memory()
+
+
+def run_batch(llm, name: str, prompts: list[str], examples, batch: int, min_requests: int,
+              max_tokens: int) -> dict:
+    from vllm import SamplingParams
+
+    from vllm_diffusion.offline import stats_delta
+    from vllm_diffusion.quality.corpus import score
+
+    options = CONFIGS[name][2] if CONFIGS[name] is not None else {}
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, extra_args=options or None)
+    diffusion = CONFIGS[name] is not None
+    before = llm.collective_rpc("diffusion_stats")[0] if diffusion else None
+    tokens = prompt_tokens = correct = done = 0
+    start = time.perf_counter()
+    offset = 0
+    while done < max(min_requests, batch):
+        chunk = [prompts[(offset + i) % len(prompts)] for i in range(batch)]
+        chunk_examples = [examples[(offset + i) % len(prompts)] for i in range(batch)]
+        offset += batch
+        outputs = llm.generate(chunk, params, use_tqdm=False)
+        for example, out in zip(chunk_examples, outputs):
+            tokens += len(out.outputs[0].token_ids)
+            prompt_tokens += len(out.prompt_token_ids)
+            correct += score(example.family, example.answer, out.outputs[0].text)
+        done += batch
+    wall = time.perf_counter() - start
+    if diffusion:
+        rows = stats_delta(before, llm.collective_rpc("diffusion_stats")[0])[
+            "all_positions_per_committed_token"]
+    else:
+        rows = (prompt_tokens + tokens) / max(tokens, 1)
+    return {"tokens_per_s": tokens / wall, "requests": done, "output_tokens": tokens,
+            "accuracy": correct / done, "rows_per_committed_token": rows}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64])
+    parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--min-requests", type=int, default=16)
+    parser.add_argument("--max-tokens", type=int, default=96)
+    parser.add_argument("--ar-eager", action="store_true")
+    parser.add_argument("--latency-profile", default=None,
+                        help="tools/profile_latency.py output for the elastic configurations "
+                             "(without it they are left out)")
+    parser.add_argument("--out", type=pathlib.Path, default=ROOT / "results/throughput_vs_ar.json")
+    args = parser.parse_args()
+    if args.latency_profile is None:
+        args.configs = [c for c in args.configs if c not in ELASTIC]
+    for name in ELASTIC:
+        CONFIGS[name][1]["latency_profile"] = args.latency_profile
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # the same KV budget for every engine
+
+    from tqdm import tqdm
+
+    from vllm_diffusion.default_model import default_model_path
+    from vllm_diffusion.quality.corpus import mixed_eval_examples
+    from vllm_diffusion.quality.harness import chat_prompts
+
+    model = default_model_path()
+    examples = mixed_eval_examples(max(args.batch_sizes + [args.min_requests]))
+    cells: dict[str, dict[int, list[dict]]] = {n: {b: [] for b in args.batch_sizes}
+                                               for n in args.configs}
+    with tempfile.TemporaryDirectory() as tmp:
+        ar_model = autoregressive_copy(pathlib.Path(model), pathlib.Path(tmp))
+        progress = tqdm(total=args.rounds * len(args.configs) * len(args.batch_sizes))
+        for _ in range(args.rounds):
+            for name in args.configs:
+                with open_engine(name, model, ar_model, args.ar_eager,
+                                 max(args.batch_sizes)) as llm:
+                    prompts = chat_prompts(llm.get_tokenizer(), examples)
+                    run_batch(llm, name, prompts, examples, 1, 1, 8)  # warm-up
+                    for batch in args.batch_sizes:
+                        progress.set_description(f"{name}, batch {batch}")
+                        cells[name][batch].append(run_batch(
+                            llm, name, prompts, examples, batch, args.min_requests,
+                            args.max_tokens))
+                        progress.update()
+        progress.close()
+    report = summarise(cells, args)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    plot(report, args.out.with_suffix(".png"))
+    print_table(report)
+
+
+def summarise(cells, args) -> dict:
+    rows = []
+    ar = {b: statistics.median(r["tokens_per_s"] for r in cells["autoregressive"][b])
+          for b in args.batch_sizes} if "autoregressive" in cells else {}
+    for name, by_batch in cells.items():
+        for batch, runs in by_batch.items():
+            tps = statistics.median(r["tokens_per_s"] for r in runs)
+            rows.append({"config": name, "batch_size": batch, "tokens_per_s": tps,
+                         "tokens_per_s_each_round": [r["tokens_per_s"] for r in runs],
+                         "ratio_to_autoregressive": tps / ar[batch] if ar else None,
+                         "accuracy": statistics.mean(r["accuracy"] for r in runs),
+                         "rows_per_committed_token": statistics.mean(
+                             r["rows_per_committed_token"] for r in runs)})
+    return {"machine": f"{os.cpu_count()} CPU cores", "ar_compiled": not args.ar_eager,
+            "max_tokens": args.max_tokens, "rounds": args.rounds, "rows": rows}
+
+
+def print_table(report: dict) -> None:
+    print("| config | batch | tokens/s | / AR | accuracy | rows / token |")
+    print("|---|---|---|---|---|---|")
+    for r in report["rows"]:
+        ratio = r["ratio_to_autoregressive"]
+        print(f"| {r['config']} | {r['batch_size']} | {r['tokens_per_s']:.0f} | "
+              f"{'-' if ratio is None else f'{ratio:.2f}'} | {r['accuracy']:.2f} | "
+              f"{r['rows_per_committed_token']:.2f} |")
+
+
+def plot(report: dict, path: pathlib.Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for name in dict.fromkeys(r["config"] for r in report["rows"]):
+        points = [(r["batch_size"], r["tokens_per_s"]) for r in report["rows"]
+                  if r["config"] == name]
+        ax.plot(*zip(*points), marker="o", label=name,
+                linestyle="--" if name == "autoregressive" else "-")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("batch size (concurrent requests)")
+    ax.set_ylabel("output tokens/s")
+    ax.set_title(f"Output throughput vs batch size ({report['machine']})")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+if __name__ == "__main__":
+    main()
