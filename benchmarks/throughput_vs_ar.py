@@ -13,6 +13,12 @@ on all prompts of the run, and rows computed per committed token (prompt prefill
 block commits included; for autoregressive decoding, prompt plus output tokens per output
 token). JSON and a PNG plot.
 
+``--shape large`` runs the fixed configurations on a compute-bound shape instead: a
+random-weight SDAR of 12 layers, hidden 768 (12 query / 4 KV heads of 64), written to
+``results/large-random-sdar`` (so ``tools/profile_latency.py --model`` can time its steps), with random 64-token prompts and exactly 64 output tokens per
+request (``ignore_eos``). Random weights commit about one token per step, so these
+figures show the cost side (rows and time per step), not diffusion's parallelism.
+
     python tools/profile_latency.py --out results/latency.json
     python benchmarks/throughput_vs_ar.py --latency-profile results/latency.json \
         [--batch-sizes 1 2 4 8 16 32 64] [--rounds 2]
@@ -66,6 +72,24 @@ def autoregressive_copy(checkpoint: pathlib.Path, into: pathlib.Path) -> pathlib
     return target
 
 
+LARGE_SHAPE = {"num_layers": 12, "hidden_size": 768, "num_heads": 12, "num_kv_heads": 4,
+               "head_dim": 64, "block_size": 32}
+LARGE_MODEL = ROOT / "results/large-random-sdar"
+LARGE_CONFIGS = ["autoregressive", "standard B=4", "standard B=16", "standard B=32",
+                 "focus B=32", "chunk 4 of B=32, reuse", "chunk 8 of B=32, reuse"]
+
+
+def large_workload(vocab_size: int, count: int) -> list:
+    """Random 64-token prompts (ids clear of the tiny tokenizer's special tokens)."""
+    import random
+
+    from vllm.inputs import TokensPrompt
+
+    rng = random.Random(0)
+    return [TokensPrompt(prompt_token_ids=[rng.randrange(16, vocab_size) for _ in range(64)])
+            for _ in range(count)]
+
+
 def open_engine(name: str, model: pathlib.Path, ar_model: pathlib.Path, ar_eager: bool,
                 max_num_seqs: int):
     from vllm import LLM
@@ -107,7 +131,9 @@ def run_batch(llm, name: str, prompts: list[str], examples, batch: int, min_requ
     from vllm_diffusion.quality.corpus import score
 
     options = CONFIGS[name][2] if CONFIGS[name] is not None else {}
-    params = SamplingParams(temperature=0, max_tokens=max_tokens, extra_args=options or None)
+    scored = examples is not None
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, extra_args=options or None,
+                            ignore_eos=not scored)
     diffusion = CONFIGS[name] is not None
     before = llm.collective_rpc("diffusion_stats")[0] if diffusion else None
     tokens = prompt_tokens = correct = done = 0
@@ -115,13 +141,15 @@ def run_batch(llm, name: str, prompts: list[str], examples, batch: int, min_requ
     offset = 0
     while done < max(min_requests, batch):
         chunk = [prompts[(offset + i) % len(prompts)] for i in range(batch)]
-        chunk_examples = [examples[(offset + i) % len(prompts)] for i in range(batch)]
+        chunk_examples = [examples[(offset + i) % len(prompts)] if scored else None
+                          for i in range(batch)]
         offset += batch
         outputs = llm.generate(chunk, params, use_tqdm=False)
         for example, out in zip(chunk_examples, outputs):
             tokens += len(out.outputs[0].token_ids)
             prompt_tokens += len(out.prompt_token_ids)
-            correct += score(example.family, example.answer, out.outputs[0].text)
+            if scored:
+                correct += score(example.family, example.answer, out.outputs[0].text)
         done += batch
     wall = time.perf_counter() - start
     if diffusion:
@@ -130,7 +158,8 @@ def run_batch(llm, name: str, prompts: list[str], examples, batch: int, min_requ
     else:
         rows = (prompt_tokens + tokens) / max(tokens, 1)
     return {"tokens_per_s": tokens / wall, "requests": done, "output_tokens": tokens,
-            "accuracy": correct / done, "rows_per_committed_token": rows}
+            "accuracy": correct / done if scored else None,
+            "rows_per_committed_token": rows, "seconds": wall}
 
 
 def main() -> None:
@@ -141,11 +170,16 @@ def main() -> None:
     parser.add_argument("--min-requests", type=int, default=16)
     parser.add_argument("--max-tokens", type=int, default=96)
     parser.add_argument("--ar-eager", action="store_true")
+    parser.add_argument("--shape", choices=("embedded", "large"), default="embedded",
+                        help="the embedded model, or the compute-bound random-weight shape")
     parser.add_argument("--latency-profile", default=None,
                         help="tools/profile_latency.py output for the elastic configurations "
                              "(without it they are left out)")
     parser.add_argument("--out", type=pathlib.Path, default=ROOT / "results/throughput_vs_ar.json")
     args = parser.parse_args()
+    if args.shape == "large":
+        args.configs = [c for c in args.configs if c in LARGE_CONFIGS]
+        args.max_tokens = 64
     if args.latency_profile is None:
         args.configs = [c for c in args.configs if c not in ELASTIC]
     for name in ELASTIC:
@@ -159,18 +193,27 @@ def main() -> None:
     from vllm_diffusion.quality.corpus import mixed_eval_examples
     from vllm_diffusion.quality.harness import chat_prompts
 
-    model = default_model_path()
-    examples = mixed_eval_examples(max(args.batch_sizes + [args.min_requests]))
+    count = max(args.batch_sizes + [args.min_requests])
     cells: dict[str, dict[int, list[dict]]] = {n: {b: [] for b in args.batch_sizes}
                                                for n in args.configs}
     with tempfile.TemporaryDirectory() as tmp:
+        if args.shape == "large":
+            from vllm_diffusion.testing.tiny_sdar import build_tiny_sdar
+
+            model = build_tiny_sdar(LARGE_MODEL, **LARGE_SHAPE)  # kept for profiling
+            vocab = json.loads((model / "config.json").read_text())["vocab_size"]
+            examples, workload = None, large_workload(vocab, count)
+        else:
+            model = default_model_path()
+            examples, workload = mixed_eval_examples(count), None
         ar_model = autoregressive_copy(pathlib.Path(model), pathlib.Path(tmp))
         progress = tqdm(total=args.rounds * len(args.configs) * len(args.batch_sizes))
         for _ in range(args.rounds):
             for name in args.configs:
                 with open_engine(name, model, ar_model, args.ar_eager,
                                  max(args.batch_sizes)) as llm:
-                    prompts = chat_prompts(llm.get_tokenizer(), examples)
+                    prompts = (workload if workload is not None
+                               else chat_prompts(llm.get_tokenizer(), examples))
                     run_batch(llm, name, prompts, examples, 1, 1, 8)  # warm-up
                     for batch in args.batch_sizes:
                         progress.set_description(f"{name}, batch {batch}")
@@ -196,10 +239,13 @@ def summarise(cells, args) -> dict:
             rows.append({"config": name, "batch_size": batch, "tokens_per_s": tps,
                          "tokens_per_s_each_round": [r["tokens_per_s"] for r in runs],
                          "ratio_to_autoregressive": tps / ar[batch] if ar else None,
-                         "accuracy": statistics.mean(r["accuracy"] for r in runs),
+                         "accuracy": (None if runs[0]["accuracy"] is None
+                                      else statistics.mean(r["accuracy"] for r in runs)),
+
                          "rows_per_committed_token": statistics.mean(
                              r["rows_per_committed_token"] for r in runs)})
-    return {"machine": f"{os.cpu_count()} CPU cores", "ar_compiled": not args.ar_eager,
+    return {"machine": f"{os.cpu_count()} CPU cores", "shape": args.shape,
+            "ar_compiled": not args.ar_eager,
             "max_tokens": args.max_tokens, "rounds": args.rounds, "rows": rows}
 
 
@@ -208,8 +254,9 @@ def print_table(report: dict) -> None:
     print("|---|---|---|---|---|---|")
     for r in report["rows"]:
         ratio = r["ratio_to_autoregressive"]
+        accuracy = "-" if r["accuracy"] is None else f"{r['accuracy']:.2f}"
         print(f"| {r['config']} | {r['batch_size']} | {r['tokens_per_s']:.0f} | "
-              f"{'-' if ratio is None else f'{ratio:.2f}'} | {r['accuracy']:.2f} | "
+              f"{'-' if ratio is None else f'{ratio:.2f}'} | {accuracy} | "
               f"{r['rows_per_committed_token']:.2f} |")
 
 
@@ -220,11 +267,14 @@ def plot(report: dict, path: pathlib.Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    for name in dict.fromkeys(r["config"] for r in report["rows"]):
+    names = list(dict.fromkeys(r["config"] for r in report["rows"]))
+    colours = plt.cm.tab20.colors
+    for index, name in enumerate(names):
         points = [(r["batch_size"], r["tokens_per_s"]) for r in report["rows"]
                   if r["config"] == name]
-        ax.plot(*zip(*points), marker="o", label=name,
-                linestyle="--" if name == "autoregressive" else "-")
+        ax.plot(*zip(*points), marker="o", label=name, color=colours[index % len(colours)],
+                linestyle="--" if name == "autoregressive" else "-",
+                linewidth=2.5 if name in ("autoregressive", "elastic B=32") else 1.2)
     ax.set_xscale("log", base=2)
     ax.set_xlabel("batch size (concurrent requests)")
     ax.set_ylabel("output tokens/s")

@@ -1,0 +1,117 @@
+"""``vllm bench serve`` against the request rate: autoregressive vs standard vs elastic.
+
+For each configuration a ``vllm serve`` runs on loopback; ``vllm bench serve`` sends
+``random``-dataset requests (``--input-len`` prompt tokens, exactly ``--output-len`` output
+tokens with ``ignore_eos``, so every configuration produces the same tokens: the weights
+decoded autoregressively would otherwise stop after a few tokens) at each request rate
+(Poisson arrivals). The
+autoregressive server is stock vLLM on the same weights (config switched to Qwen3, vLLM's
+defaults, compiled); the plugin's servers run eagerly. Reported per configuration and rate:
+output tokens/s and P90 TPOT; and per configuration the highest rate whose P90 TPOT stays
+under the SLO. JSON and a PNG plot.
+
+    python benchmarks/serve_vs_ar.py --latency-profile results/latency.json \
+        [--rates 1 2 4 8 16 32] [--slo-ms 100]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import sys
+import tempfile
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+
+def server_args(name: str, profile: str | None) -> list[str]:
+    common = ["--max-model-len", "1024", "--max-num-seqs", "64"]
+    if name == "autoregressive":
+        return common
+    config = {"standard B=4": {"diffusion_block_size": 4},
+              "elastic B=32": {"diffusion_block_size": 32, "latency_profile": profile}}[name]
+    policy = "elastic" if name.startswith("elastic") else "standard"
+    return common + ["--diffusion-policy", policy, "--additional-config", json.dumps(config)]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rates", nargs="+", default=["1", "2", "4", "8", "16", "32"])
+    parser.add_argument("--num-prompts", type=int, default=64)
+    parser.add_argument("--input-len", type=int, default=64)
+    parser.add_argument("--output-len", type=int, default=64)
+    parser.add_argument("--slo-ms", type=float, default=100.0, help="P90 TPOT objective")
+    parser.add_argument("--latency-profile", default=None,
+                        help="for the elastic server (without it elastic is left out)")
+    parser.add_argument("--out-dir", type=pathlib.Path, default=ROOT / "results/serve_vs_ar")
+    args = parser.parse_args()
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # the same KV budget for every server
+
+    from bench_serve import bench, write_sharegpt
+    from throughput_vs_ar import autoregressive_copy
+
+    from vllm_diffusion.default_model import default_model_path
+    from vllm_diffusion.testing.server import vllm_server
+
+    if args.latency_profile:
+        args.latency_profile = str(pathlib.Path(args.latency_profile).resolve())
+    names = ["autoregressive", "standard B=4"] + (["elastic B=32"] if args.latency_profile
+                                                  else [])
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    sharegpt = args.out_dir / "sharegpt_eval.json"
+    write_sharegpt(sharegpt, args.num_prompts)
+    model = pathlib.Path(default_model_path())
+    runs: dict[str, list[dict]] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        ar_model = autoregressive_copy(model, pathlib.Path(tmp))
+        for name in names:
+            served = ar_model if name == "autoregressive" else model
+            out = args.out_dir / name.replace(" ", "_").replace("=", "")
+            out.mkdir(exist_ok=True)
+            with vllm_server(served, *server_args(name, args.latency_profile),
+                             log_path=out / "server.log", startup_timeout=600) as url:
+                runs[name] = []
+                for rate in args.rates:
+                    result = bench(url, str(served), "random", rate, args, out, sharegpt)
+                    runs[name].append(result)
+                    print(json.dumps({"config": name, "rate": rate,
+                                      "output_tokens_per_s": result["output_throughput"],
+                                      "p90_tpot_ms": result["p90_tpot_ms"]}), flush=True)
+    best = {name: max((float(r["request_rate"]) for r in rows
+                       if r["p90_tpot_ms"] is not None and r["p90_tpot_ms"] < args.slo_ms),
+                      default=None) for name, rows in runs.items()}
+    report = {"slo_p90_tpot_ms": args.slo_ms, "highest_rate_within_slo": best, "runs": runs}
+    (args.out_dir / "summary.json").write_text(json.dumps(report, indent=2) + "\n")
+    plot(runs, args, args.out_dir / "serve_vs_ar.png")
+    print(json.dumps({"highest_rate_within_slo": best}))
+
+
+def plot(runs: dict[str, list[dict]], args, path: pathlib.Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    for name, rows in runs.items():
+        rates = [float(r["request_rate"]) for r in rows]
+        left.plot(rates, [r["output_throughput"] for r in rows], marker="o", label=name)
+        right.plot(rates, [r["p90_tpot_ms"] for r in rows], marker="o", label=name)
+    right.axhline(args.slo_ms, color="grey", linestyle=":", label=f"SLO {args.slo_ms:g} ms")
+    for ax in (left, right):
+        ax.set_xscale("log", base=2)
+        ax.grid(alpha=0.3)
+    left.set(xlabel="request rate (req/s)", ylabel="output tokens/s", title="throughput")
+    right.set(xlabel="request rate (req/s)", ylabel="ms", title="P90 TPOT")
+    left.legend(fontsize=8)
+    right.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+if __name__ == "__main__":
+    main()
