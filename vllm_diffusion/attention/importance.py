@@ -97,3 +97,12 @@ def reduce_over_tensor_parallel_heads(scores: list[torch.Tensor | None]) -> list
         out.append(total[offset:offset + len(s)])
         offset += len(s)
     return out
+
+
+def step_candidate_importance(query: torch.Tensor, key: torch.Tensor,
+                              rows: list[torch.Tensor | None], scale: float,
+                              pool_kernels: list[int]) -> list[torch.Tensor | None]:
+    """``batched_candidate_importance`` with this device's kernel, summed over the
+    tensor-parallel ranks' heads (every rank gets the same scores)."""
+    scores = importance_kernel(query.device)(query, key, rows, scale, pool_kernels)
+    return reduce_over_tensor_parallel_heads(scores)

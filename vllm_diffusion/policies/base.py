@@ -4,10 +4,11 @@ A policy is one class (plus its typed config) registered by name in ``POLICIES``
 engine holds one instance; per request it keeps the policy's state and options. One
 denoising step calls, in order (``begin_step`` first, with every scheduled request):
 
-1. ``positions_to_compute(request, kv_lost)`` per request: the block positions computed
-   this step (default: all), and ``block_key_end`` how far into the block keys reach; ``commit_positions(request)`` when the step commits a
-   completed block: which of its positions are recomputed (default: all, the exact
-   commit);
+1. per request: ``commit_positions(request)`` when the step commits the block the request
+   just completed (which of its positions are recomputed; default: all, the exact
+   commit), then ``positions_to_compute(request, kv_lost)`` (the block positions computed
+   this step; default: all) and ``block_key_end(request)`` (how far into the block keys
+   reach; default: the whole block);
 2. ``forward_hooks(step)`` once: an object whose methods the decoder stack calls at the
    layers it declares (``LayerHooks``) -- after a layer's keys/values are computed and
    before its attention (``before_attention``: may drop rows; their KV at that layer is
@@ -56,6 +57,11 @@ class StepRequest:
     rows: range  # its query rows in the step
     block_rows: torch.Tensor | None  # [n] query rows of its computed block positions
     block_positions: torch.Tensor | None  # [n] block-relative positions of those rows
+
+    def masked_rows(self, mask_token_id: int) -> torch.Tensor:
+        """[m] step rows of its computed positions still masked (candidates), ascending."""
+        masked = self.request.canvas.masked(mask_token_id)
+        return self.block_rows[masked[self.block_positions]]
 
 
 @dataclasses.dataclass
@@ -156,11 +162,10 @@ class DecodingPolicy(abc.ABC):
         ``kv_lost``: the block's KV pages were freed (a resumed preemption)."""
         return None
 
-    def block_key_end(self, request: DiffusionRequest,
-                      computed: torch.Tensor | None) -> int | None:
-        """How many of the block's positions (from its start) the step's keys reach, given
-        the positions computed (``computed``: [B] bool, None: all); None: the whole block.
-        Positions past it are neither computed nor attended to this step."""
+    def block_key_end(self, request: DiffusionRequest) -> int | None:
+        """How many of the block's positions (from its start) this step's keys reach
+        (asked after ``positions_to_compute``); None: the whole block. Positions past it
+        are neither computed nor attended to this step."""
         return None
 
     def commit_positions(self, request: DiffusionRequest) -> torch.Tensor | None:

@@ -81,9 +81,8 @@ class ElasticPolicy(StandardPolicy):
     def __init__(self, block_size: int, mask_token_id: int,
                  engine_config: ElasticPolicyConfig) -> None:
         super().__init__(block_size, mask_token_id, engine_config)
-        self.candidates = [c for c in range(1, block_size + 1)
-                           if block_size % c == 0 and c & (c - 1) == 0] + [block_size]
-        self.candidates = sorted(set(self.candidates))
+        self.candidates = [c for c in range(1, block_size + 1) if block_size % c == 0
+                           and (c & (c - 1) == 0 or c == block_size)]
         self.profile: LatencyProfile | None = None
         self.statistics = ChunkStatistics()
         self.steps_begun = 0

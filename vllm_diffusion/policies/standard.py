@@ -161,7 +161,21 @@ class ChunkState:
             self.cache = IntraBlockCache(self.block_size)
 
 
-class StandardPolicy(DecodingPolicy):
+class StrategyPolicy(DecodingPolicy):
+    """Base of the policies that unmask by one of ``STRATEGIES`` (the commit choice only;
+    what to compute is each policy's own)."""
+
+    def choose_commits(self, batch: CommitBatch) -> torch.Tensor:
+        configs = [r.policy_config for r in batch.requests]
+        return batched_choose_commits(
+            batch.confidence, batch.masked,
+            torch.tensor([r.canvas.steps for r in batch.requests], dtype=torch.long),
+            torch.tensor([c.steps_for(self.block_size) for c in configs], dtype=torch.long),
+            torch.tensor([STRATEGIES.index(c.strategy) for c in configs], dtype=torch.long),
+            torch.tensor([c.threshold for c in configs], dtype=torch.float32))
+
+
+class StandardPolicy(StrategyPolicy):
     """Unmasks by one of ``STRATEGIES``, computing the whole block or a chunk of it."""
 
     name: ClassVar[str] = "standard"
@@ -178,6 +192,9 @@ class StandardPolicy(DecodingPolicy):
                              kv_lost: bool) -> torch.Tensor | None:
         config, state = request.policy_config, request.policy_state
         state.chunk = chunk = self.chunk_for(request)
+        if chunk is None and not config.chunk_reuse:  # whole-block decoding
+            state.window_end = None
+            return None
         masked = request.canvas.masked(self.mask_token_id)
         undecided = torch.nonzero(masked).flatten()
         # The window ends after the chunk-th undecided position, or at the block end when
@@ -192,20 +209,10 @@ class StandardPolicy(DecodingPolicy):
             compute &= torch.arange(self.block_size) < state.window_end
         return compute
 
-    def block_key_end(self, request: DiffusionRequest,
-                      computed: torch.Tensor | None) -> int | None:
+    def block_key_end(self, request: DiffusionRequest) -> int | None:
         return request.policy_state.window_end
 
     def after_step(self, request: DiffusionRequest, masked_before: torch.Tensor,
                    computed: torch.Tensor, num_decoded: int) -> None:
         if request.policy_config.chunk_reuse:
             request.policy_state.cache.update(masked_before)
-
-    def choose_commits(self, batch: CommitBatch) -> torch.Tensor:
-        configs = [r.policy_config for r in batch.requests]
-        return batched_choose_commits(
-            batch.confidence, batch.masked,
-            torch.tensor([r.canvas.steps for r in batch.requests], dtype=torch.long),
-            torch.tensor([c.steps_for(self.block_size) for c in configs], dtype=torch.long),
-            torch.tensor([STRATEGIES.index(c.strategy) for c in configs], dtype=torch.long),
-            torch.tensor([c.threshold for c in configs], dtype=torch.float32))

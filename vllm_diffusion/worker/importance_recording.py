@@ -13,8 +13,7 @@ import dataclasses
 
 import torch
 
-from vllm_diffusion.attention.importance import (importance_kernel,
-                                                 reduce_over_tensor_parallel_heads)
+from vllm_diffusion.attention.importance import step_candidate_importance
 from vllm_diffusion.policies.base import (ForwardStep, LayerHooks, LayerInput, RowSelection,
                                           StepHooks)
 from vllm_diffusion.worker.request_state import DiffusionRequest
@@ -29,24 +28,20 @@ class RecordingHooks(StepHooks):
         self.layers = dataclasses.replace(
             declared, before_attention=tuple(sorted(set(declared.before_attention)
                                                     | set(RECORDED_LAYERS))))
-        self.requests: list[DiffusionRequest] = []
-        self.candidate_rows: list[torch.Tensor] = []
-        for s in step.requests:
-            if s.request is None:
-                continue
-            masked = s.request.canvas.masked(mask_token_id)[s.block_positions]
-            self.requests.append(s.request)
-            self.candidate_rows.append(s.block_rows[masked])
+        # req_id -> the request's index among the recorded ones
+        self.index = {s.request.req_id: i for i, s in enumerate(
+            s for s in step.requests if s.request is not None)}
+        self.candidate_rows = [s.masked_rows(mask_token_id) for s in step.requests
+                               if s.request is not None]
         self.device = step.device
         self.importance: dict[int, list[torch.Tensor | None]] = {}
 
     def before_attention(self, layer_input: LayerInput) -> RowSelection | None:
         if layer_input.layer in RECORDED_LAYERS:
             rows = [layer_input.current_rows(r).to(self.device) for r in self.candidate_rows]
-            scores = importance_kernel(layer_input.query.device)(
+            self.importance[layer_input.layer] = step_candidate_importance(
                 layer_input.query, layer_input.key, rows, layer_input.scale,
                 [3] * len(rows))
-            self.importance[layer_input.layer] = reduce_over_tensor_parallel_heads(scores)
         if self.inner is not None and layer_input.layer in self.inner.layers.before_attention:
             return self.inner.before_attention(layer_input)
         return None
@@ -58,9 +53,9 @@ class RecordingHooks(StepHooks):
         return self.inner.select_keys(layer_input)
 
     def scores(self, request: DiffusionRequest) -> tuple[torch.Tensor, torch.Tensor] | None:
-        if request not in self.requests or len(self.importance) < len(RECORDED_LAYERS):
+        index = self.index.get(request.req_id)
+        if index is None or len(self.importance) < len(RECORDED_LAYERS):
             return None
-        index = next(i for i, r in enumerate(self.requests) if r is request)
         first, second = (self.importance[layer][index] for layer in RECORDED_LAYERS)
         if second is None:
             return None

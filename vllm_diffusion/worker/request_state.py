@@ -1,10 +1,11 @@
 """The diffusion state of one request, kept by the runner from its first step to its end.
 
 ``DiffusionRequest`` holds everything the engine knows about a request beyond vLLM's own
-bookkeeping: its policy options and policy state, the canvas of its current block, and
-the decode step of every emitted token (its step map). The runner creates it at the
-request's first step, keeps it across preemption (a resumed request continues its block;
-the policy is told its KV was lost), and drops it when the request finishes.
+bookkeeping: its policy options and policy state, the canvas of its current block (with
+its denoising-step counters), and the decode step of every emitted token (its step map).
+The runner creates it at the request's first step, keeps it across preemption (a resumed
+request continues its block, and planning reports that the block's KV was lost), and
+drops it when the request finishes.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ class BlockCanvas:
         return self.tokens == mask_token_id
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(eq=False)  # one object per request: compared by identity
 class DiffusionRequest:
     req_id: str
     policy_config: Any  # the request's policy options (engine defaults plus its overrides)
@@ -52,18 +53,16 @@ class DiffusionRequest:
     canvas: BlockCanvas | None = None
     # decode step of every emitted token (kept only when the request asked for it)
     step_map: list[int] = dataclasses.field(default_factory=list)
-    denoising_steps: int = 0
-    tokens_emitted: int = 0
 
     def block_for(self, block_start: int, fixed: list[int], block_size: int,
-                  mask_token_id: int) -> tuple[BlockCanvas, bool]:
+                  mask_token_id: int) -> BlockCanvas:
         """The canvas of the block starting at ``block_start`` (``fixed``: its known
-        tokens), made anew when the request moved to that block; and whether it is new."""
+        tokens), made anew when the request moved to that block."""
         canvas = self.canvas
         if canvas is not None and canvas.start == block_start:
-            return canvas, False
+            return canvas
         tokens = torch.full((block_size,), mask_token_id, dtype=torch.long)
         tokens[:len(fixed)] = torch.tensor(fixed, dtype=torch.long)
         first_step = canvas.first_step + canvas.steps if canvas is not None else 0
         self.canvas = BlockCanvas(block_start, tokens, first_step=first_step)
-        return self.canvas, True
+        return self.canvas

@@ -245,6 +245,7 @@ class DiffusionRunnerMixin:
         tokens_after = torch.where(commits, proposals, torch.stack(
             [b.rows.canvas.tokens for b in blocks]))
         block_done = (tokens_after != mask_id).all(dim=1).tolist()
+        num_decoded = commits.sum(dim=1).tolist()
         token_lists = tokens_after.tolist()
         sampled: dict[str, list[int]] = {}
         step_maps: dict[str, list[int]] = {}
@@ -253,9 +254,9 @@ class DiffusionRunnerMixin:
             if req_id in failed:
                 continue
             try:
-                sampled[req_id] = self._unmask(block, state, commits[i], tokens_after[i],
-                                               token_lists[i], block_done[i], masked[i],
-                                               computed[i])
+                sampled[req_id] = self._unmask(block, state, commits[i], num_decoded[i],
+                                               tokens_after[i], token_lists[i],
+                                               block_done[i], masked[i], computed[i])
             except Exception as err:  # noqa: BLE001 - isolated to this request
                 failed[req_id] = self._fail_request(req_id, "unmasking its block", err)
                 continue
@@ -281,13 +282,13 @@ class DiffusionRunnerMixin:
             return commits
 
     def _unmask(self, block: DenoisedBlock, state: Any, commit: torch.Tensor,
-                 tokens_after: torch.Tensor, token_list: list[int], block_done: bool,
-                 masked: torch.Tensor, computed: torch.Tensor) -> list[int]:
-        """Apply one request's commits ([B] bool; ``tokens_after``/``token_list``: its
-        block after them) and return its newly final tokens."""
+                num_decoded: int, tokens_after: torch.Tensor, token_list: list[int],
+                block_done: bool, masked: torch.Tensor, computed: torch.Tensor) -> list[int]:
+        """Apply one request's commits ([B] bool, ``num_decoded`` of them;
+        ``tokens_after``/``token_list``: its block after them) and return its newly final
+        tokens."""
         request, canvas = block.rows.request, block.rows.canvas
         canvas.commit(commit, tokens_after)
-        num_decoded = int(commit.sum())
         self.policy.after_step(request, masked, computed, num_decoded)
         if self.importance_recorder is not None:
             self.importance_recorder.record(request, masked, commit)
@@ -300,8 +301,6 @@ class DiffusionRunnerMixin:
         if request.wants_step_map:
             request.step_map.extend(decode_steps(canvas, num_known, len(final)))
         state.output_token_ids.extend(final)
-        request.denoising_steps += 1
-        request.tokens_emitted += len(final)
         stats = self.diffusion_stats
         stats.denoising_steps += 1
         stats.block_positions_computed += len(block.rows.block_positions)

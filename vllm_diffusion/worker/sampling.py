@@ -4,6 +4,10 @@ Greedy (temperature 0): the arg-max token, confidence = its softmax probability.
 Sampled: temperature, then top-k, then top-p filtering; the token is drawn from the
 filtered distribution with the request's generator, confidence = its probability there
 (SDAR's ``generate.py``). The mask token is never proposed.
+
+``propose_tokens`` (one request) is the plain reference; the engine proposes for all the
+requests of a step at once with ``propose_for_requests``, tested to give the same tokens
+and confidences, seeded draws included.
 """
 
 from __future__ import annotations

@@ -32,14 +32,11 @@ class KnownTokens:
     def __len__(self) -> int:
         return len(self.prompt) + len(self.output)
 
-    def __getitem__(self, index: int | slice):
-        if isinstance(index, slice):
-            start, stop, _ = index.indices(len(self))
-            split = len(self.prompt)
-            return (list(self.prompt[start:min(stop, split)])
-                    + self.output[max(start - split, 0):max(stop - split, 0)])
-        return self.prompt[index] if index < len(self.prompt) else \
-            self.output[index - len(self.prompt)]
+    def __getitem__(self, index: slice) -> list[int]:
+        start, stop, _ = index.indices(len(self))
+        split = len(self.prompt)
+        return (list(self.prompt[start:min(stop, split)])
+                + self.output[max(start - split, 0):max(stop - split, 0)])
 
 
 @dataclasses.dataclass
@@ -85,12 +82,12 @@ def plan_request(req_id: str, token_ids: KnownTokens | list[int], num_computed: 
             kept = keep.tolist()
             commit = [p for p, k in zip(commit, kept) if k]
             commit_tokens = [t for t, k in zip(commit_tokens, kept) if k]
-    canvas, _ = request.block_for(block_start, token_ids[block_start:], block_size,
-                                  mask_token_id)
+    canvas = request.block_for(block_start, token_ids[block_start:], block_size,
+                               mask_token_id)
     # Recomputing the committed prefix (a resumed preemption) means the block's KV pages
     # were freed.
     chosen = policy.positions_to_compute(request, kv_lost=num_computed < block_start)
-    key_end = policy.block_key_end(request, chosen)
+    key_end = policy.block_key_end(request)
     kv_len = block_start + (block_size if key_end is None else key_end)
     if chosen is None:  # the whole block
         return RequestRows(

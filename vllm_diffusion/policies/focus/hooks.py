@@ -17,8 +17,7 @@ import dataclasses
 
 import torch
 
-from vllm_diffusion.attention.importance import (importance_kernel,
-                                                 reduce_over_tensor_parallel_heads)
+from vllm_diffusion.attention.importance import step_candidate_importance
 from vllm_diffusion.policies.base import (ForwardStep, LayerHooks, LayerInput, RowSelection,
                                           StepHooks, StepRequest)
 from vllm_diffusion.policies.focus.selection import selection_kernel
@@ -45,17 +44,15 @@ class FocusStepHooks(StepHooks):
             masked = s.request.canvas.masked(mask_token_id)
             processing = torch.zeros_like(masked)
             processing[s.block_positions] = True
-            self.blocks.append(EvictingBlock(
-                index, s, processing, processing & masked,
-                s.block_rows[masked[s.block_positions]]))
+            self.blocks.append(EvictingBlock(index, s, processing, processing & masked,
+                                             s.masked_rows(mask_token_id)))
         self.importance: dict[int, list[torch.Tensor | None]] = {}
 
     def before_attention(self, layer_input: LayerInput) -> RowSelection | None:
         rows = [layer_input.current_rows(b.candidate_rows).to(self.device) for b in self.blocks]
         kernels = [b.step_request.request.policy_config.pool_kernel for b in self.blocks]
-        scores = importance_kernel(layer_input.query.device)(
+        self.importance[layer_input.layer] = step_candidate_importance(
             layer_input.query, layer_input.key, rows, layer_input.scale, kernels)
-        self.importance[layer_input.layer] = reduce_over_tensor_parallel_heads(scores)
         if layer_input.layer != self.eviction_layer:
             return None
         return self._select(layer_input)
@@ -63,13 +60,18 @@ class FocusStepHooks(StepHooks):
     def _select(self, layer_input: LayerInput) -> RowSelection | None:
         first, second = (self.importance[self.eviction_layer - 1],
                          self.importance[self.eviction_layer])
+        # Every block's candidate deltas in one host copy.
+        present = [i for i, after in enumerate(second) if after is not None]
+        host = (torch.cat([second[i] - first[i] for i in present]).float().cpu().split(
+            [len(second[i]) for i in present]) if present else [])
+        host_delta = dict(zip(present, host))
         evicting, deltas, budgets = [], [], []
-        for block, before, after in zip(self.blocks, first, second):
+        for index, block in enumerate(self.blocks):
             state = block.step_request.request.policy_state
             config = block.step_request.request.policy_config
             delta = torch.zeros(block.processing.shape[0])
-            if after is not None:
-                delta[block.candidates] = (after - before).float().cpu()
+            if index in host_delta:
+                delta[block.candidates] = host_delta[index]
             budget = state.budget(delta, block.candidates, config)
             if budget is not None:
                 evicting.append(block)

@@ -34,7 +34,7 @@ from vllm_diffusion.options import OptionError, Rule, option
 from vllm_diffusion.policies.base import ForwardStep, StepHooks
 from vllm_diffusion.policies.focus.hooks import FocusStepHooks
 from vllm_diffusion.policies.focus.selection import CONTEXT_RULES, IntraBlockCache, token_budget
-from vllm_diffusion.policies.standard import STRATEGIES, StandardPolicy, StandardPolicyConfig
+from vllm_diffusion.policies.standard import STRATEGIES, StandardPolicyConfig, StrategyPolicy
 from vllm_diffusion.worker.request_state import DiffusionRequest
 
 DECODE_RATES = ("across_blocks", "per_block")
@@ -110,7 +110,7 @@ class FocusRequestState:
             self.decoded_tokens += num_decoded
 
 
-class FocusPolicy(StandardPolicy):
+class FocusPolicy(StrategyPolicy):
     """Unmasks like ``standard`` among the positions its forward hooks retained."""
 
     name: ClassVar[str] = "focus"
@@ -142,10 +142,6 @@ class FocusPolicy(StandardPolicy):
         if not config.intra_block_cache:
             return None
         return state.cache.processing_set()
-
-    def block_key_end(self, request: DiffusionRequest,
-                      computed: torch.Tensor | None) -> int | None:
-        return None  # keys are cut inside the forward, at the eviction layer
 
     def commit_positions(self, request: DiffusionRequest) -> torch.Tensor | None:
         state = request.policy_state

@@ -1,0 +1,52 @@
+"""Batched proposals against the per-request reference, on a named grid of sampling
+settings: the same tokens and confidences, seeded draws included."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+
+from vllm_diffusion.worker.sampling import propose_for_requests, propose_tokens
+
+MASK = 3
+
+
+def params(temperature=0.0, top_k=0, top_p=1.0):
+    return types.SimpleNamespace(temperature=temperature, top_k=top_k, top_p=top_p)
+
+
+# name: per request (rows, sampling parameters, seed or None)
+GRID = {
+    "greedy-only": [(4, params(), None), (7, params(), None)],
+    "mixed": [(3, params(), None), (5, params(0.7), 1), (2, params(1.0, top_k=20), 2),
+              (6, params(0.9, top_p=0.85), 3), (1, params(1.3, top_k=5, top_p=0.5), 4)],
+    "tiny-top-p": [(4, params(1.0, top_p=1e-30), 5), (4, params(), None)],
+    "top-k-past-vocab": [(3, params(0.8, top_k=10_000), 6), (2, params(0.8, top_k=1), 7)],
+}
+
+
+@pytest.mark.parametrize("name", GRID)
+def test_batched_proposals_equal_per_request_proposals(name):
+    requests = GRID[name]
+    gen = torch.Generator().manual_seed(len(name))
+    logits = torch.randn(sum(n for n, _, _ in requests), 64, generator=gen) * 3
+
+    def generators():
+        return [torch.Generator().manual_seed(s) if s is not None else None
+                for _, _, s in requests]
+
+    tokens, confidence = propose_for_requests(
+        logits.clone(), MASK, [n for n, _, _ in requests], [p for _, p, _ in requests],
+        generators())
+    offset = 0
+    for (n, p, _), generator in zip(requests, generators()):
+        want_tokens, want_confidence = propose_tokens(
+            logits[offset:offset + n].clone(), MASK, p.temperature, p.top_k, p.top_p,
+            generator)
+        assert tokens[offset:offset + n].tolist() == want_tokens.tolist()
+        torch.testing.assert_close(confidence[offset:offset + n], want_confidence,
+                                   rtol=0, atol=0)
+        offset += n
+    assert MASK not in tokens.tolist()
