@@ -22,6 +22,7 @@ from vllm import SamplingParams
 from vllm.inputs import TokensPrompt
 
 from vllm_diffusion import policies
+from vllm_diffusion.offline import stats_delta
 from vllm_diffusion.policies.base import LayerHooks, RowSelection, StepHooks
 from vllm_diffusion.policies.standard import StandardPolicy
 
@@ -102,7 +103,7 @@ def generate(checkpoint, policy, prompts, block_size, strategy):
         outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params,
                                use_tqdm=False)
         after = llm.collective_rpc("diffusion_stats")[0]
-    stats = {k: after[k] - before[k] for k in after}
+    stats = stats_delta(before, after)
     return [list(o.outputs[0].token_ids) for o in outputs], stats
 
 
@@ -123,3 +124,5 @@ def test_hooks_that_change_nothing_decided_decode_like_standard(registered, dens
     else:  # one block row per denoising step reaches the logits
         assert stats["block_positions_after_eviction"] == stats["denoising_steps"]
         assert stats["block_positions_computed"] == standard_stats["block_positions_computed"]
+    # Rows leave only after the last layer's output: every layer computed every block row.
+    assert stats["block_positions_per_layer"] == [stats["block_positions_computed"]] * NUM_LAYERS

@@ -36,9 +36,17 @@ def diffusion_llm(model: str | pathlib.Path, *, diffusion_block_size: int | None
         cleanup_dist_env_and_memory()
 
 
-def stats_delta(before: dict[str, int], after: dict[str, int]) -> dict[str, float]:
+def counter_delta(before: int | list[int], after: int | list[int]) -> int | list[int]:
+    """``after - before`` of one counter (per-layer lists element-wise; a list grows from
+    empty at the first step)."""
+    if isinstance(after, list):
+        return [a - (before[i] if i < len(before) else 0) for i, a in enumerate(after)]
+    return after - before
+
+
+def stats_delta(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
     """Counters between two ``diffusion_stats`` readings, with the derived ratios."""
-    stats: dict[str, float] = {k: after[k] - before[k] for k in after}
+    stats: dict[str, Any] = {k: counter_delta(before[k], after[k]) for k in after}
     stats["denoising_steps_per_block"] = stats["denoising_steps"] / max(stats["blocks_completed"], 1)
     stats["tokens_committed_per_denoising_step"] = (
         stats["tokens_committed"] / max(stats["denoising_steps"], 1))
@@ -47,6 +55,9 @@ def stats_delta(before: dict[str, int], after: dict[str, int]) -> dict[str, floa
     # The same through the layers after a policy's eviction point (layers 2+ for FOCUS).
     stats["later_layer_positions_per_committed_token"] = (
         stats["block_positions_after_eviction"] / committed)
+    # Block positions through each layer, per committed token.
+    stats["layer_positions_per_committed_token"] = [
+        count / committed for count in stats["block_positions_per_layer"]]
     # Every row the model computed (prompt prefill and block commits included).
     stats["all_positions_per_committed_token"] = stats["positions_computed"] / committed
     return stats

@@ -21,7 +21,9 @@ class OptionError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class Rule:
-    kind: type  # int, float, str or bool
+    # int, float, str or bool; tuple: a list of ints (each within low..high), given as a
+    # JSON list or a comma-separated string
+    kind: type
     low: float | None = None
     high: float | None = None
     low_inclusive: bool = True
@@ -31,7 +33,7 @@ class Rule:
     def describe(self) -> str:
         if self.choices:
             return "one of " + ", ".join(repr(c) for c in self.choices)
-        parts = [self.kind.__name__]
+        parts = ["a list of int" if self.kind is tuple else self.kind.__name__]
         if self.low is not None or self.high is not None:
             lo = "-inf" if self.low is None else self.low
             hi = "inf" if self.high is None else self.high
@@ -45,6 +47,8 @@ class Rule:
             if self.optional:
                 return None
             raise OptionError(f"{source}: option '{name}' must be {self.describe()}, got null")
+        if self.kind is tuple:
+            return self._check_int_list(name, value, source)
         if self.kind is float and isinstance(value, int) and not isinstance(value, bool):
             try:
                 value = float(value)
@@ -82,6 +86,17 @@ class Rule:
                 f"{source}: option '{name}' must be {self.describe()}, got {value!r}"
             )
         return value
+
+
+    def _check_int_list(self, name: str, value: Any, source: str) -> tuple[int, ...]:
+        items = value.split(",") if isinstance(value, str) else value
+        if not isinstance(items, (list, tuple)) or not items:
+            raise OptionError(f"{source}: option '{name}' must be {self.describe()}, "
+                              f"got {value!r}")
+        item_rule = dataclasses.replace(self, kind=int, optional=False)
+        checked = [item_rule.check(name, item.strip() if isinstance(item, str) else item,
+                                   source) for item in items]
+        return tuple(checked)
 
 
 def option(default: Any, rule: Rule) -> Any:

@@ -8,7 +8,8 @@ does (embedding, pre-norm residual layers, final norm), and calls the step's hoo
   before its attention. The attention still stores the keys/values of every row; only
   the rows the hook keeps are attended for and continue to later layers;
 - ``select_keys``: restricts, per request, the keys the layer's queries see;
-- ``after_output``: after the layer's output; the rows the hook keeps continue.
+- ``after_output``: after the layer's output (the residual stream: attention and MLP
+  added), which the hook reads; the rows the hook keeps continue.
 
 Dropped rows leave the step's attention metadata too (``BlockDiffusionMetadata``). The
 step rows of the returned hidden states are left in ``StackRun.rows``.
@@ -35,7 +36,10 @@ class StackRun:
     """One forward of a diffusion step: its hooks in, its surviving rows out."""
 
     hooks: StepHooks | None
+    # [T] bool (host): the step's block rows; when given, ``layer_block_rows`` counts them
+    block_rows: torch.Tensor | None = None
     rows: torch.Tensor | None = None  # [T'] step rows of the output hidden states (host)
+    layer_block_rows: list[int] = dataclasses.field(default_factory=list)  # per layer
 
 
 def _step_metadata(model: nn.Module):
@@ -60,6 +64,8 @@ def run_decoder_stack(model: nn.Module, input_ids: torch.Tensor, positions: torc
     hidden = model.embed_input_ids(input_ids)
     residual = None
     rows = torch.arange(hidden.shape[0])
+    counting = run is not None and run.block_rows is not None
+    block_count = int(run.block_rows.sum()) if counting else 0
     for index, layer in enumerate(islice(model.layers, model.start_layer, model.end_layer),
                                   start=model.start_layer):
         if residual is None:
@@ -87,6 +93,9 @@ def run_decoder_stack(model: nn.Module, input_ids: torch.Tensor, positions: torc
             residual, _ = compaction_kernel(residual.device)(residual, None, device_rows)
             positions = positions[..., device_rows]
             rows = rows[keep_rows]
+            block_count = int(run.block_rows[rows].sum()) if counting else 0
+        if counting:
+            run.layer_block_rows.append(block_count)
         hidden = attention.attend(q, k, v)
         if selection is not None:
             metadata.keep_keys(selection.keep)
@@ -95,10 +104,11 @@ def run_decoder_stack(model: nn.Module, input_ids: torch.Tensor, positions: torc
         hidden, residual = layer.post_attention_layernorm(hidden, residual)
         hidden = layer.mlp(hidden)
         if index in declared.after_output:
-            selection = hooks.after_output(LayerInput(index, rows, hidden=hidden))
+            selection = hooks.after_output(LayerInput(index, rows, hidden=hidden + residual))
             if selection is not None:
                 hidden, residual, positions, rows = _drop_rows(
                     selection, metadata, hidden, residual, positions, rows)
+                block_count = int(run.block_rows[rows].sum()) if counting else 0
     hidden, _ = model.norm(hidden, residual)
     if run is not None:
         run.rows = rows

@@ -85,7 +85,8 @@ class RowSelection:
 class LayerInput:
     """What a hook reads. ``rows``: [T'] step rows (original indices) entering the layer;
     ``query`` [T', H, D] and ``key`` [T', H_kv, D] after q/k-norm and RoPE (attention
-    hooks) or ``hidden`` [T', hidden] (output hooks); ``scale``: the attention scale."""
+    hooks) or ``hidden`` [T', hidden], the layer's output in the residual stream (output
+    hooks); ``scale``: the attention scale."""
 
     layer: int
     rows: torch.Tensor

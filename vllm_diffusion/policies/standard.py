@@ -40,14 +40,13 @@ STRATEGIES = ("low_confidence_dynamic", "low_confidence_static", "sequential", "
 
 
 @dataclasses.dataclass(frozen=True)
-class StandardPolicyConfig(PolicyConfig):
+class StrategyConfig(PolicyConfig):
+    """Options of the policies that unmask by one of ``STRATEGIES``."""
+
     strategy: str = option("low_confidence_dynamic", Rule(str, choices=STRATEGIES))
     threshold: float = option(0.9, Rule(float, low=0.0, high=1.0))
     # Cap on denoising steps per block; None means one step per block position.
     denoising_steps: int | None = option(None, Rule(int, low=1, high=4096, optional=True))
-    # Positions computed per step (None: the whole block); must divide the block size.
-    chunk_size: int | None = option(None, Rule(int, low=1, high=1024, optional=True))
-    chunk_reuse: bool = option(False, Rule(bool))
 
     def validate_for_block(self, block_size: int, source: str) -> None:
         if self.denoising_steps is not None and self.denoising_steps > block_size:
@@ -55,13 +54,23 @@ class StandardPolicyConfig(PolicyConfig):
                 f"{source}: option 'denoising_steps' must be at most the block size "
                 f"({block_size}), got {self.denoising_steps}"
             )
+
+    def steps_for(self, block_size: int) -> int:
+        return self.denoising_steps or block_size
+
+
+@dataclasses.dataclass(frozen=True)
+class StandardPolicyConfig(StrategyConfig):
+    # Positions computed per step (None: the whole block); must divide the block size.
+    chunk_size: int | None = option(None, Rule(int, low=1, high=1024, optional=True))
+    chunk_reuse: bool = option(False, Rule(bool))
+
+    def validate_for_block(self, block_size: int, source: str) -> None:
+        super().validate_for_block(block_size, source)
         if self.chunk_size is not None and block_size % self.chunk_size:
             raise OptionError(
                 f"{source}: option 'chunk_size' must divide the block size ({block_size}), "
                 f"got {self.chunk_size}")
-
-    def steps_for(self, block_size: int) -> int:
-        return self.denoising_steps or block_size
 
 
 def step_quota(block_size: int, steps: int, step: int) -> int:
@@ -78,7 +87,7 @@ def top_by_confidence(confidence: torch.Tensor, k: int) -> torch.Tensor:
 
 
 def choose_commits(confidence: torch.Tensor, masked: torch.Tensor, step: int,
-                   block_size: int, config: StandardPolicyConfig) -> torch.Tensor:
+                   block_size: int, config: StrategyConfig) -> torch.Tensor:
     """Which positions of one block to commit this step (the plain reference of
     ``batched_choose_commits``).
 

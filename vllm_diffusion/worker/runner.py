@@ -50,6 +50,8 @@ class DiffusionStats:
     positions_computed: int = 0  # model rows, prefill and commit rows included
     block_positions_computed: int = 0  # block rows entering the model
     block_positions_after_eviction: int = 0  # block rows reaching the last layer
+    # per layer: block rows whose queries that layer computed
+    block_positions_per_layer: list[int] = dataclasses.field(default_factory=list)
     tokens_committed: int = 0  # final tokens emitted
     blocks_completed: int = 0
 
@@ -122,7 +124,7 @@ class DiffusionRunnerMixin:
             hooks = self.policy.forward_hooks(step)
             if self.importance_recorder is not None:
                 hooks = self.importance_recorder.hooks(step, hooks)
-            hidden_states, out_rows = self._forward(rows, hooks)
+            hidden_states, out_rows = self._forward(rows, step, hooks)
             sampled_by_id, step_maps = self._denoise(rows, step, hidden_states, out_rows,
                                                      failed)
         stats.engine_steps += 1
@@ -164,7 +166,7 @@ class DiffusionRunnerMixin:
             state.num_computed_tokens, scheduler_output.num_scheduled_tokens[req_id],
             self.geometry, self.diffusion.mask_token_id, request, self.policy)
 
-    def _forward(self, rows: list[RequestRows],
+    def _forward(self, rows: list[RequestRows], step: ForwardStep,
                  hooks: StepHooks | None) -> tuple[torch.Tensor, torch.Tensor]:
         """Hidden states of the rows that reached the last layer, and those rows."""
         device = self.device
@@ -188,13 +190,23 @@ class DiffusionRunnerMixin:
             diffusion_block_size=self.diffusion.block_size)
         layer_names = [name for group in self.kv_cache_config.kv_cache_groups
                        for name in group.layer_names]
-        run = StackRun(hooks)
+        block_rows = torch.zeros(step.num_rows, dtype=torch.bool)
+        for s in step.requests:
+            if s.block_rows is not None:
+                block_rows[s.block_rows] = True
+        run = StackRun(hooks, block_rows)
         with set_forward_context({name: metadata for name in layer_names},
                                  self.vllm_config, num_tokens=len(positions),
                                  slot_mapping={}):
             hidden_states = self.model(input_ids=token_ids.to(device), positions=positions,
                                        stack_run=run)
-        self.diffusion_stats.positions_computed += len(positions)
+        stats = self.diffusion_stats
+        stats.positions_computed += len(positions)
+        per_layer = stats.block_positions_per_layer
+        if len(per_layer) < len(run.layer_block_rows):
+            per_layer.extend([0] * (len(run.layer_block_rows) - len(per_layer)))
+        for layer, count in enumerate(run.layer_block_rows):
+            per_layer[layer] += count
         return hidden_states, run.rows
 
     @staticmethod
@@ -309,5 +321,5 @@ class DiffusionRunnerMixin:
         stats.blocks_completed += int(block_done)
         return final
 
-    def diffusion_stats_dict(self) -> dict[str, int]:
+    def diffusion_stats_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self.diffusion_stats)

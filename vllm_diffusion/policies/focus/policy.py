@@ -34,14 +34,14 @@ from vllm_diffusion.options import OptionError, Rule, option
 from vllm_diffusion.policies.base import ForwardStep, StepHooks
 from vllm_diffusion.policies.focus.hooks import FocusStepHooks
 from vllm_diffusion.policies.focus.selection import CONTEXT_RULES, IntraBlockCache, token_budget
-from vllm_diffusion.policies.standard import STRATEGIES, StandardPolicyConfig, StrategyPolicy
+from vllm_diffusion.policies.standard import STRATEGIES, StrategyConfig, StrategyPolicy
 from vllm_diffusion.worker.request_state import DiffusionRequest
 
 DECODE_RATES = ("across_blocks", "per_block")
 
 
 @dataclasses.dataclass(frozen=True)
-class FocusPolicyConfig(StandardPolicyConfig):
+class FocusPolicyConfig(StrategyConfig):
     # Options a request may not change: committed KV is shared through the prefix cache,
     # and the layers the forward hooks run at are fixed for the engine.
     engine_only: ClassVar[tuple[str, ...]] = ("commit", "eviction_layer")
@@ -61,9 +61,6 @@ class FocusPolicyConfig(StandardPolicyConfig):
         super().validate_for_block(block_size, source)
         if self.pool_kernel % 2 == 0:
             raise OptionError(f"{source}: option 'pool_kernel' must be odd, got {self.pool_kernel}")
-        if self.chunk_size is not None or self.chunk_reuse:
-            raise OptionError(f"{source}: options 'chunk_size' and 'chunk_reuse' are not "
-                              f"supported by the focus policy (use diffusion_policy standard)")
 
 
 @dataclasses.dataclass

@@ -1,0 +1,213 @@
+"""Plain-PyTorch references of ES-dLLM (early skipping) and Ada-DLM (adaptive freezing)
+decoding on the SDAR reference, greedy, exact commit, one request, no paging.
+
+Written from the papers (ES-dLLM Eq. 1 and Algorithm 1; Ada-DLM section 4.2 and
+Algorithm 1) with plain loops, independently of the package; the layer-by-layer machinery
+(per-layer block KV stores that persist across the steps of a block, exact prefix KV)
+is the FOCUS reference's.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from reference_focus import NeighbourCache, attend_and_mlp, prefix_kv, project
+from reference_sdar import ReferenceSDAR, rms_norm, select_positions, transfer_quotas
+
+
+def es_importance(hidden: list[torch.Tensor], previous: list[torch.Tensor],
+                  confidence: list[float], alpha: float) -> list[float]:
+    """Eq. 1 per position: alpha * c_prev + (1 - alpha) * ||dH||_1 / (sqrt(d) ||H'||_2),
+    the variation divided by its maximum when that is above 1 (the authors' code)."""
+    changes = []
+    for h, p in zip(hidden, previous):
+        d = h.shape[0]
+        changes.append(float(sum(abs(float(a) - float(b)) for a, b in zip(h, p)))
+                       / (math.sqrt(d) * (float(p.norm()) + 1e-6)))
+    scale = max(max(changes), 1.0)
+    return [alpha * c + (1 - alpha) * v / scale for c, v in zip(confidence, changes)]
+
+
+def es_keep(importance: list[float], masked: list[bool], confidence: list[float],
+            skip_ratio: float) -> list[bool]:
+    """Top floor((1 - r) n) by importance (ties to the left, at least one), the most
+    confident masked position always among them."""
+    n = len(importance)
+    scores = list(importance)
+    masked_items = [i for i in range(n) if masked[i]]
+    if masked_items:
+        best = max(masked_items, key=lambda i: (confidence[i], -i))
+        scores[best] = float("inf")
+    count = max(1, math.floor((1 - skip_ratio) * n))
+    order = sorted(range(n), key=lambda i: (-scores[i], i))
+    keep = [False] * n
+    for i in order[:count]:
+        keep[i] = True
+    return keep
+
+
+def _block_forward(model: ReferenceSDAR, block: torch.Tensor, rows: torch.Tensor, start: int,
+                   prefix, stores, on_layer_output=None):
+    """Run block positions ``rows`` through every layer; ``on_layer_output(layer, rows, x)``
+    may return a [len(rows)] bool of the rows that continue. Returns (rows, logits)."""
+    w = model.weights
+    x = w["model.embed_tokens.weight"][block[rows]]
+    store_k, store_v = stores
+    for layer in range(model.num_layers):
+        q, k, v = project(model, x, start + rows, layer)
+        store_k[layer][rows], store_v[layer][rows] = k, v
+        keys, values = store_k[layer], store_v[layer]
+        if prefix is not None:
+            keys = torch.cat([prefix[0][layer], keys])
+            values = torch.cat([prefix[1][layer], values])
+        visible = torch.ones(len(rows), keys.shape[0], dtype=torch.bool)
+        x = attend_and_mlp(model, x, q, keys, values, visible, layer)
+        if on_layer_output is not None:
+            keep = on_layer_output(layer, rows, x)
+            if keep is not None:
+                rows, x = rows[keep], x[keep]
+    logits = rms_norm(x, w["model.norm.weight"], model.eps) @ w["lm_head.weight"].T
+    return rows, logits
+
+
+def _proposals(logits: torch.Tensor, rows: torch.Tensor, size: int, mask_id: int):
+    logits[:, mask_id] = float("-inf")
+    probs = logits.float().softmax(-1)
+    confidence = torch.full((size,), float("-inf"))
+    proposal = torch.full((size,), mask_id)
+    confidence[rows], proposal[rows] = probs.max(-1)
+    return confidence, proposal
+
+
+def _generate(model, prompt, block_size, mask_id, max_tokens, stop_token_ids, decode_block):
+    """Blocks on the absolute grid; ``decode_block(start, committed, block)`` denoises one."""
+    start = len(prompt) // block_size * block_size
+    committed = list(prompt[:start])
+    block = torch.tensor(prompt[start:] + [mask_id] * (block_size - len(prompt) % block_size))
+    output = []
+    while True:
+        block = decode_block(start, committed, block)
+        for position, token in enumerate(block.tolist(), start=start):
+            if position < len(prompt):
+                continue
+            output.append(token)
+            if token in stop_token_ids or len(output) == max_tokens:
+                return output
+        committed += block.tolist()
+        start += block_size
+        block = torch.full((block_size,), mask_id)
+
+
+def _stores(model, block_size):
+    keys = [torch.zeros(block_size, model.num_kv_heads, model.head_dim)
+            for _ in range(model.num_layers)]
+    return keys, [torch.zeros_like(k) for k in keys]
+
+
+@torch.no_grad()
+def reference_es_generate(model: ReferenceSDAR, prompt: list[int], *, block_size: int,
+                          mask_id: int, max_tokens: int, strategy: str, threshold: float,
+                          alpha: float, skip_ratio: float, skip_layers: tuple[int, ...],
+                          refresh_period: int | None = None, denoising_steps: int | None = None,
+                          stop_token_ids=frozenset()) -> list[int]:
+    steps_cap = denoising_steps or block_size
+    quotas = transfer_quotas(block_size, steps_cap)
+
+    def decode_block(start, committed, block):
+        prefix = prefix_kv(model, committed, block_size) if committed else None
+        stores = _stores(model, block_size)
+        hidden_cache: dict[int, list[torch.Tensor]] = {}
+        c_prev = [0.0] * block_size
+        step = 0
+        while bool((block == mask_id).any()):
+            masked = (block == mask_id).tolist()
+            full = (step == 0 or skip_ratio == 0
+                    or (refresh_period is not None and step % refresh_period == 0)
+                    or step >= steps_cap - 1)
+
+            def on_layer_output(layer, rows, x):
+                if layer not in skip_layers:
+                    return None
+                positions = rows.tolist()
+                cache = hidden_cache.setdefault(
+                    layer, [torch.zeros(x.shape[1]) for _ in range(block_size)])
+                previous = [cache[p] for p in positions]
+                for p, h in zip(positions, x):
+                    cache[p] = h.clone()
+                if full:
+                    return None
+                scores = es_importance(list(x), previous, [c_prev[p] for p in positions], alpha)
+                return torch.tensor(es_keep(scores, [masked[p] for p in positions],
+                                            [c_prev[p] for p in positions], skip_ratio))
+
+            rows, logits = _block_forward(model, block, torch.arange(block_size), start,
+                                          prefix, stores, on_layer_output)
+            confidence, proposal = _proposals(logits, rows, block_size, mask_id)
+            computed = torch.zeros(block_size, dtype=torch.bool)
+            computed[rows] = True
+            candidates = torch.tensor(masked) & computed
+            quota = quotas[step] if step < steps_cap else block_size
+            scored = torch.where(candidates, confidence, torch.full_like(confidence, float("-inf")))
+            commit = select_positions(strategy, scored, candidates, quota, threshold,
+                                      last_step=step >= steps_cap - 1)
+            for p in rows.tolist():
+                c_prev[p] = float(confidence[p]) if masked[p] else 0.0
+            block = torch.where(commit, proposal, block)
+            step += 1
+            assert step <= 4 * block_size
+        return block
+
+    return _generate(model, prompt, block_size, mask_id, max_tokens, stop_token_ids,
+                     decode_block)
+
+
+def ada_freeze(confidence: list[float], masked: list[bool], history: list[list[float]],
+               capacity: float) -> list[bool]:
+    """Ada-DLM's decision over one block: rank by confidence, prototypes rho(1) and
+    rho(K+1) (the lowest-ranked when K >= m), freeze where d_high < d_bound, and always
+    freeze rho(1)."""
+    candidates = [i for i in range(len(masked)) if masked[i]]
+    frozen = [False] * len(masked)
+    if not candidates:
+        return frozen
+    ranked = sorted(candidates, key=lambda i: (-confidence[i], i))
+    m = len(ranked)
+    k = max(1, math.ceil(capacity * m - 1e-9))
+    high = history[ranked[0]]
+    bound = history[ranked[k]] if k < m else history[ranked[m - 1]]
+    for i in candidates:
+        d_high = sum((a - b) ** 2 for a, b in zip(history[i], high))
+        d_bound = sum((a - b) ** 2 for a, b in zip(history[i], bound))
+        frozen[i] = d_high < d_bound
+    frozen[ranked[0]] = True
+    return frozen
+
+
+@torch.no_grad()
+def reference_ada_generate(model: ReferenceSDAR, prompt: list[int], *, block_size: int,
+                           mask_id: int, max_tokens: int, capacity: float, history: int,
+                           stop_token_ids=frozenset()) -> list[int]:
+    def decode_block(start, committed, block):
+        prefix = prefix_kv(model, committed, block_size) if committed else None
+        stores = _stores(model, block_size)
+        cache = NeighbourCache(block_size)
+        trajectory = [[0.0] * history for _ in range(block_size)]
+        steps = 0
+        while bool((block == mask_id).any()):
+            masked = (block == mask_id).tolist()
+            rows = torch.nonzero(torch.tensor(cache.processing())).flatten()
+            rows, logits = _block_forward(model, block, rows, start, prefix, stores)
+            confidence, proposal = _proposals(logits, rows, block_size, mask_id)
+            for i in range(block_size):
+                if masked[i]:
+                    trajectory[i] = [float(confidence[i])] + trajectory[i][:-1]
+            frozen = ada_freeze(confidence.tolist(), masked, trajectory, capacity)
+            block = torch.where(torch.tensor(frozen), proposal, block)
+            cache.after_step(masked)
+            steps += 1
+            assert steps <= block_size
+        return block
+
+    return _generate(model, prompt, block_size, mask_id, max_tokens, stop_token_ids,
+                     decode_block)

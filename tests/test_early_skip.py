@@ -1,0 +1,212 @@
+"""ES-dLLM (``es``) and Ada-DLM (``ada``) in the engine: token for token equal to the plain
+PyTorch references of their papers' algorithms on the SDAR reference loop, ``es`` without
+skipping equal to ``standard``, less work through the later layers / fewer positions
+computed, validated options, and no state left behind by preemption or abort."""
+
+from __future__ import annotations
+
+import gc
+import random
+import weakref
+
+import pytest
+from conftest import diffusion_llm, watch_preemptions
+from reference_early_skip import reference_ada_generate, reference_es_generate
+from reference_sdar import ReferenceSDAR, reference_generate
+from test_parity import checkpoint_info, make_prompts
+
+from vllm import SamplingParams
+from vllm.inputs import TokensPrompt
+
+from vllm_diffusion.offline import stats_delta
+from vllm_diffusion.policies.early_skip import default_skip_layers
+from vllm_diffusion.testing.tiny_sdar import build_tiny_sdar
+
+pytestmark = pytest.mark.engine
+
+
+@pytest.fixture(scope="module")
+def four_layer_checkpoint(tmp_path_factory):
+    return build_tiny_sdar(tmp_path_factory.mktemp("sdar-4-layers"), num_layers=4, seed=3)
+
+
+def run(checkpoint, block_size, prompts, policy, extra_args, max_tokens, engine_options=None):
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True,
+                            extra_args=extra_args)
+    with diffusion_llm(checkpoint, diffusion_block_size=block_size,
+                       additional_config={"diffusion_policy": policy,
+                                          **(engine_options or {})}) as llm:
+        before = llm.collective_rpc("diffusion_stats")[0]
+        outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params,
+                               use_tqdm=False)
+        stats = stats_delta(before, llm.collective_rpc("diffusion_stats")[0])
+    return [list(o.outputs[0].token_ids) for o in outputs], stats
+
+
+def test_default_skip_layers_follow_the_papers_depths():
+    assert default_skip_layers(32) == (4, 8)  # LLaDA-8B, as in the paper
+    assert default_skip_layers(28) == (4, 7)  # Dream-7B
+    assert default_skip_layers(12) == (2, 3)
+    assert default_skip_layers(4) == (2,)
+    assert default_skip_layers(3) == ()
+
+
+@pytest.mark.parametrize("strategy", ["threshold", "low_confidence_dynamic"])
+def test_es_without_skipping_equals_standard(dense_checkpoint, strategy):
+    block_size = 8
+    mask_id, stops, vocab_size = checkpoint_info(dense_checkpoint)
+    prompts = make_prompts(block_size, vocab_size, stops | {mask_id}, seed=41)
+    options = {"strategy": strategy, "threshold": 0.7}
+    got, stats = run(dense_checkpoint, block_size, prompts, "es",
+                     {**options, "skip_ratio": 0.0}, 3 * block_size,
+                     engine_options={"skip_layers": [0]})
+    reference = ReferenceSDAR(dense_checkpoint)
+    for prompt, tokens in zip(prompts, got):
+        assert tokens == reference_generate(reference, prompt, block_size=block_size,
+                                            mask_id=mask_id, max_tokens=3 * block_size,
+                                            **options)
+    assert stats["block_positions_per_layer"] == [stats["block_positions_computed"]] * 2
+
+
+@pytest.mark.parametrize("block_size,skip_layers,refresh_period", [
+    (8, None, None), (16, None, 3), (16, [1, 2], None)], ids=["b8-default", "b16-refresh3",
+                                                            "b16-layers1,2"])
+def test_es_equals_the_es_reference(four_layer_checkpoint, block_size, skip_layers,
+                                    refresh_period):
+    checkpoint = four_layer_checkpoint
+    mask_id, stops, vocab_size = checkpoint_info(checkpoint)
+    prompts = make_prompts(block_size, vocab_size, stops | {mask_id}, seed=50 + block_size)
+    options = {"strategy": "low_confidence_dynamic", "threshold": 0.5, "alpha": 0.5,
+               "skip_ratio": 0.5, "refresh_period": refresh_period}
+    engine = {"skip_layers": skip_layers} if skip_layers else {}
+    got, stats = run(checkpoint, block_size, prompts, "es", options, 3 * block_size, engine)
+    layers = tuple(skip_layers or default_skip_layers(4))
+    reference = ReferenceSDAR(checkpoint)
+    for prompt, tokens in zip(prompts, got):
+        want = reference_es_generate(reference, prompt, block_size=block_size, mask_id=mask_id,
+                                     max_tokens=3 * block_size, skip_layers=layers, **options)
+        assert tokens == want
+    per_layer = stats["block_positions_per_layer"]
+    assert per_layer[0] == stats["block_positions_computed"]
+    assert per_layer[layers[0]] == per_layer[0]  # skipping starts after the skip layer
+    assert per_layer[-1] < per_layer[0]
+    assert per_layer[-1] == stats["block_positions_after_eviction"]
+
+
+def test_es_on_moe_equals_the_es_reference(moe_checkpoint):
+    block_size = 8
+    mask_id, stops, vocab_size = checkpoint_info(moe_checkpoint)
+    prompts = make_prompts(block_size, vocab_size, stops | {mask_id}, seed=57)
+    options = {"strategy": "threshold", "threshold": 0.6, "alpha": 0.3, "skip_ratio": 0.6}
+    got, _ = run(moe_checkpoint, block_size, prompts, "es", options, 2 * block_size,
+                 {"skip_layers": "0"})
+    reference = ReferenceSDAR(moe_checkpoint)
+    for prompt, tokens in zip(prompts, got):
+        assert tokens == reference_es_generate(reference, prompt, block_size=block_size,
+                                               mask_id=mask_id, max_tokens=2 * block_size,
+                                               skip_layers=(0,), **options)
+
+
+@pytest.mark.parametrize("block_size,capacity,history", [
+    (8, 0.15, 3), (16, 0.15, 3), (16, 0.5, 1), (4, 1.0, 3)])
+def test_ada_equals_the_ada_reference(four_layer_checkpoint, block_size, capacity, history):
+    checkpoint = four_layer_checkpoint
+    mask_id, stops, vocab_size = checkpoint_info(checkpoint)
+    prompts = make_prompts(block_size, vocab_size, stops | {mask_id}, seed=60 + block_size)
+    options = {"capacity": capacity, "history": history}
+    got, stats = run(checkpoint, block_size, prompts, "ada", options, 3 * block_size)
+    reference = ReferenceSDAR(checkpoint)
+    for prompt, tokens in zip(prompts, got):
+        assert tokens == reference_ada_generate(reference, prompt, block_size=block_size,
+                                                mask_id=mask_id, max_tokens=3 * block_size,
+                                                **options)
+    # Frozen positions are not recomputed (once their right neighbour is decoded too).
+    assert stats["block_positions_computed"] < stats["denoising_steps"] * block_size
+
+
+def test_es_and_ada_options_are_validated(four_layer_checkpoint, dense_checkpoint):
+    from vllm.exceptions import VLLMValidationError
+
+    rejected = (ValueError, VLLMValidationError)
+    with diffusion_llm(four_layer_checkpoint, diffusion_block_size=8,
+                       additional_config={"diffusion_policy": "es"}) as llm:
+        for extra, message in (({"skip_ratio": 1.0}, r"'skip_ratio' must be below 1"),
+                               ({"alpha": 1.5}, r"'alpha' must be float in \[0.0, 1.0\]"),
+                               ({"skip_layers": "1"}, r"'skip_layers' is engine-wide"),
+                               ({"capacity": 0.2}, r"unknown option.*'capacity'")):
+            with pytest.raises(rejected, match=message):
+                llm.generate(TokensPrompt(prompt_token_ids=[5, 6, 7]),
+                             SamplingParams(max_tokens=4, extra_args=extra), use_tqdm=False)
+    for engine, message in (({"skip_layers": [3]}, r"skipping after layer 3 needs a later"),
+                            ({"skip_layers": [2, 1]}, r"distinct layers in increasing order"),
+                            ({"skip_layers": "x"}, r"'skip_layers' must be int")):
+        with pytest.raises(Exception, match=message):
+            with diffusion_llm(four_layer_checkpoint, diffusion_block_size=8,
+                               additional_config={"diffusion_policy": "es", **engine}):
+                pass
+    with pytest.raises(Exception, match=r"at least 4 needed, or set 'skip_layers'"):
+        with diffusion_llm(dense_checkpoint, diffusion_block_size=8,
+                           additional_config={"diffusion_policy": "es"}):
+            pass
+    with diffusion_llm(dense_checkpoint, diffusion_block_size=8,
+                       additional_config={"diffusion_policy": "ada"}) as llm:
+        for extra, message in (({"capacity": 0.0}, r"'capacity' must be float in \(0.0, 1.0\]"),
+                               ({"history": 0}, r"'history' must be int in \[1, 16\]"),
+                               ({"strategy": "sequential"}, r"unknown option.*'strategy'")):
+            with pytest.raises(rejected, match=message):
+                llm.generate(TokensPrompt(prompt_token_ids=[5, 6, 7]),
+                             SamplingParams(max_tokens=4, extra_args=extra), use_tqdm=False)
+
+
+def runner_of(llm):
+    return llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
+
+
+@pytest.mark.parametrize("policy", ["es", "ada"])
+def test_abort_mid_block_leaves_no_policy_state(four_layer_checkpoint, policy):
+    with diffusion_llm(four_layer_checkpoint, diffusion_block_size=16,
+                       additional_config={"diffusion_policy": policy}) as llm:
+        engine, runner = llm.llm_engine, runner_of(llm)
+        params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True,
+                                extra_args={"threshold": 0.99} if policy == "es" else None)
+        engine.add_request("aborted", TokensPrompt(prompt_token_ids=list(range(5, 14))), params)
+        for _ in range(3):
+            engine.step()
+        (request,) = runner.diffusion_requests.values()  # its id carries an engine suffix
+        assert request.canvas.steps >= 2  # mid-block
+        state = request.policy_state
+        held = weakref.ref(state.hidden[2] if policy == "es" else state.history)
+        internal_id = request.req_id
+        del state, request
+        engine.abort_request(["aborted"])
+        out = llm.generate(TokensPrompt(prompt_token_ids=[5, 6, 7]),
+                           SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
+        assert len(out[0].outputs[0].token_ids) == 4
+        assert internal_id not in runner.diffusion_requests
+        gc.collect()
+        assert held() is None
+
+
+@pytest.mark.parametrize("policy", ["es", "ada"])
+def test_preemption_decodes_completely_and_leaves_no_state(four_layer_checkpoint, policy):
+    block_size, page_size = 8, 16
+    mask_id, stops, vocab_size = checkpoint_info(four_layer_checkpoint)
+    rng = random.Random(11)
+    allowed = [t for t in range(vocab_size) if t not in stops | {mask_id}]
+    prompts = [[rng.choice(allowed) for _ in range(rng.randint(5, 30))] for _ in range(8)]
+    with diffusion_llm(four_layer_checkpoint, diffusion_block_size=block_size,
+                       block_size=page_size, num_gpu_blocks_override=12,
+                       enable_prefix_caching=False, max_model_len=128,
+                       additional_config={"diffusion_policy": policy}) as llm:
+        preempted = watch_preemptions(llm)
+        outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts],
+                               SamplingParams(temperature=0, max_tokens=40, ignore_eos=True),
+                               use_tqdm=False)
+        runner = runner_of(llm)
+        llm.generate(TokensPrompt(prompt_token_ids=[5, 6, 7]),
+                     SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
+        assert set(runner.diffusion_requests) <= set(runner.requests)  # finished ones dropped
+    assert preempted, "no request was preempted; the test does not cover preemption"
+    for out in outputs:
+        tokens = list(out.outputs[0].token_ids)
+        assert len(tokens) == 40 and mask_id not in tokens

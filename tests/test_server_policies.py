@@ -1,0 +1,49 @@
+"""``vllm serve --diffusion-policy es|ada`` on loopback: completions, streaming, the step
+map, per-request options and the diffusion metrics."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import requests
+from test_server import metric, stream_chat
+
+from vllm_diffusion.testing.server import vllm_server
+from vllm_diffusion.testing.tiny_sdar import build_tiny_sdar
+
+pytestmark = pytest.mark.engine
+
+
+@pytest.mark.parametrize("policy,options", [("es", {"skip_ratio": 0.5, "alpha": 0.5}),
+                                            ("ada", {"capacity": 0.3})])
+def test_policy_serves_completions_stream_and_step_map(policy, options, tmp_path_factory):
+    checkpoint = build_tiny_sdar(tmp_path_factory.mktemp("sdar-4-layers"), num_layers=4, seed=3)
+    log = tmp_path_factory.mktemp("server") / "serve.log"
+    with vllm_server(checkpoint, "--diffusion-policy", policy,
+                     "--additional-config", json.dumps({"diffusion_block_size": 16}),
+                     "--max-model-len", "256", "--max-num-seqs", "4", "--enforce-eager",
+                     log_path=log) as url:
+        model = str(checkpoint)
+        body = {"model": model, "prompt": "The river", "max_tokens": 20, "temperature": 0,
+                "ignore_eos": True, "vllm_xargs": {**options, "return_step_map": True}}
+        response = requests.post(f"{url}/v1/completions", json=body, timeout=60)
+        assert response.status_code == 200, response.text
+        completion = response.json()
+        assert completion["usage"]["completion_tokens"] == 20
+        assert len(completion["kv_transfer_params"]["diffusion_step_map"]) == 20
+        deltas = stream_chat({"url": url, "model": model}, {
+            "model": model, "temperature": 0, "max_tokens": 12, "ignore_eos": True,
+            "messages": [{"role": "user", "content": "Tell me about the river."}]})
+        assert deltas
+        bad = requests.post(f"{url}/v1/completions", timeout=60, json={
+            **body, "vllm_xargs": {"skip_ratio": 2.0} if policy == "es" else {"capacity": 0}})
+        assert bad.status_code == 400
+        assert ("skip_ratio" if policy == "es" else "capacity") in bad.text
+        positions = metric(url, "vllm:diffusion_num_canvas_positions_total")
+        later = metric(url, "vllm:diffusion_num_positions_after_eviction_total")
+        assert metric(url, "vllm:diffusion_num_committed_tokens_total") >= 32
+        if policy == "es":  # positions skipped after layer 2 do not reach the last layer
+            assert later < positions
+        else:  # ada computes fewer positions but drops none inside the forward
+            assert later == positions

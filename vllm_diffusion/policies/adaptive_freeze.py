@@ -1,0 +1,125 @@
+"""Ada-DLM: freeze tokens whose confidence trajectory clusters with the most confident one
+(Li et al., "Towards Efficient and Effective Diffusion Language Model Inference via
+Semantic-Aware Adaptive Denoising", section 4.2, Algorithm 1 of appendix B), inside the
+current block of a block-diffusion model.
+
+Every step, over the block's m masked positions (all of them are computed every step):
+
+1. rank-aware centroid initialisation: sort by this step's confidence C_t (ties to the
+   left); with capacity K = ceil(capacity * m), the top-ranked position is the prototype
+   of the high-confidence centroid and the (K+1)-th the prototype of the boundary centroid.
+   When K >= m there is no (K+1)-th: the lowest-ranked masked position is the boundary
+   prototype (with m = 1 both prototypes are the one position, which the at-least-one rule
+   below freezes);
+2. evolution-aware features: v_i = [C_t, C_{t-1}, ..., C_{t-h+1}] (h = ``history``, the
+   paper's 3), the position's confidences over the block's last h steps, 0 before the
+   block's first step; the centroids are the prototypes' vectors;
+3. nearest centroid: D(i) = ||v_i - mu_high||^2 / ||v_i - mu_bound||^2 < 1 freezes the
+   position (a tie stays active, as Algorithm 1's d_high >= d_bound); the top-ranked
+   position is always frozen, so every step commits at least one token.
+
+Freezing commits the position's proposed token. Frozen positions then cost nothing: like
+FOCUS's neighbour-aware intra-block cache (``block_cache.py``), a decoded position is
+recomputed once with its real token and then keeps its KV (Ada-DLM's gather-compute-
+scatter: the step computes only the gathered rows). Committed KV is exact: a completed
+block is re-encoded when it is committed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, ClassVar
+
+import torch
+
+from vllm_diffusion.options import Rule, option
+from vllm_diffusion.policies.base import CommitBatch, DecodingPolicy, PolicyConfig
+from vllm_diffusion.policies.block_cache import IntraBlockCache
+from vllm_diffusion.worker.request_state import DiffusionRequest
+
+
+@dataclasses.dataclass(frozen=True)
+class AdaptiveFreezeConfig(PolicyConfig):
+    # K as a share of the block's masked positions (the paper: about 15%)
+    capacity: float = option(0.15, Rule(float, low=0.0, high=1.0, low_inclusive=False))
+    history: int = option(3, Rule(int, low=1, high=16))  # confidence steps per feature
+
+
+def capacity_count(capacity: float, num_masked: int) -> int:
+    """K = ceil(capacity * m), at least 1 (a tolerance keeps 0.15 * 20 at 3)."""
+    return max(1, math.ceil(capacity * num_masked - 1e-9))
+
+
+def freeze_positions(confidence: torch.Tensor, masked: torch.Tensor,
+                     history: torch.Tensor, capacity: float) -> torch.Tensor:
+    """[B] bool: the masked positions Ada-DLM freezes this step.
+
+    confidence: [B] float, this step's confidence (read at masked positions);
+    masked: [B] bool, the candidates; history: [B, h] float, row i the feature vector v_i
+    with this step's confidence first.
+    """
+    frozen = torch.zeros_like(masked)
+    candidates = torch.nonzero(masked).flatten()
+    num = len(candidates)
+    if num == 0:
+        return frozen
+    order = candidates[torch.sort(confidence[candidates], descending=True, stable=True).indices]
+    k = capacity_count(capacity, num)
+    high = history[order[0]]
+    bound = history[order[k] if k < num else order[num - 1]]
+    features = history[candidates]  # [m, h]
+    to_high = (features - high).pow(2).sum(dim=1)
+    to_bound = (features - bound).pow(2).sum(dim=1)
+    frozen[candidates[to_high < to_bound]] = True
+    frozen[order[0]] = True
+    return frozen
+
+
+@dataclasses.dataclass
+class AdaptiveFreezeState:
+    block_size: int
+    history_steps: int
+    block_start: int = -1
+    cache: IntraBlockCache | None = None
+    history: torch.Tensor | None = None  # [B, h] float32 (host), newest confidence first
+
+    def start_block(self, block_start: int, kv_lost: bool) -> None:
+        if block_start != self.block_start or kv_lost:
+            self.block_start = block_start
+            self.cache = IntraBlockCache(self.block_size)
+            self.history = torch.zeros(self.block_size, self.history_steps)
+
+
+class AdaptiveFreezePolicy(DecodingPolicy):
+    name: ClassVar[str] = "ada"
+    config_cls: ClassVar[type] = AdaptiveFreezeConfig
+
+    def new_state(self, config: Any) -> AdaptiveFreezeState:
+        return AdaptiveFreezeState(self.block_size, config.history)
+
+    def positions_to_compute(self, request: DiffusionRequest,
+                             kv_lost: bool) -> torch.Tensor | None:
+        state = request.policy_state
+        state.start_block(request.canvas.start, kv_lost)
+        return state.cache.processing_set()
+
+    def choose_commits(self, batch: CommitBatch) -> torch.Tensor:
+        commits = torch.zeros_like(batch.masked)
+        histories = []
+        for i, request in enumerate(batch.requests):
+            state, config = request.policy_state, request.policy_config
+            masked = batch.masked[i]
+            history = state.history.clone()
+            history[masked] = torch.cat([batch.confidence[i][masked, None],
+                                         state.history[masked, :-1]], dim=1)
+            commits[i] = freeze_positions(batch.confidence[i], masked, history,
+                                          config.capacity)
+            histories.append(history)
+        for request, history in zip(batch.requests, histories):
+            request.policy_state.history = history
+        return commits
+
+    def after_step(self, request: DiffusionRequest, masked_before: torch.Tensor,
+                   computed: torch.Tensor, num_decoded: int) -> None:
+        request.policy_state.cache.update(masked_before)

@@ -1,0 +1,246 @@
+"""ES-dLLM: skip low-importance block positions after early layers (Zhu et al., "ES-dLLM:
+Efficient Inference for Diffusion Large Language Models by Early-Skipping", sections
+5.1-5.2, Algorithm 1), inside the current block of a block-diffusion model.
+
+At each layer ``l`` of ``skip_layers``, after the layer's output H_l, every block position
+still in the forward gets the importance (Eq. 1)
+
+    I = alpha * c_prev + (1 - alpha) * ||H_l - H_l'||_1 / (sqrt(d) * ||H_l'||_2)
+
+where H_l' is the position's output of that layer the last time it was computed in this
+block and c_prev its confidence at the last step it reached the logits (0 when it was
+already decoded then). The variation term is divided by its largest value over the
+positions when that exceeds 1 (the authors' code). The top ``floor((1 - skip_ratio) *
+n)`` of the n positions entering the layer continue (ties to the left; at least one), the
+others leave the forward for this step: their KV at the later layers stays what the last
+step that computed them wrote (still attended to), and their cached confidence is kept for
+the next step's ranking. Only positions that reached the logits may be committed, by the
+standard strategies. The masked position with the highest c_prev always continues, so every
+step can commit (the authors' code adds further bonuses, for the leftmost masked position,
+the two most confident and the just-decoded positions, which are not in the paper and not
+here).
+
+Steps that compute every position through every layer (and refresh the caches): the
+block's first step, a step after the block's KV was lost (preemption), every
+``refresh_period``-th step of the block (the paper's periodic refresh; off by default), and
+the block's last allowed step (so ``denoising_steps`` holds). The committed prefix's KV is
+exact (committed blocks are re-encoded as in ``standard``), so the paper's prompt refresh
+has nothing to do here.
+
+Default ``skip_layers``: the paper's depths 1/8 and 1/4 of the layers (layers 4 and 8 of
+LLaDA's 32), rounded half up, then moved into [2, L - 2] so that layers 0-1 (whose outputs
+barely depend on context in a shallow model) and the last layer are never skip points: 12
+layers -> (2, 3); the 4-layer tiny model -> (2,).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, ClassVar
+
+import torch
+
+from vllm_diffusion.options import OptionError, Rule, option
+from vllm_diffusion.policies.base import (CommitBatch, ForwardStep, LayerHooks, LayerInput,
+                                          RowSelection, StepHooks, StepRequest)
+from vllm_diffusion.policies.standard import StrategyConfig, StrategyPolicy
+from vllm_diffusion.worker.request_state import DiffusionRequest
+
+PAPER_DEPTHS = (1 / 8, 1 / 4)
+VARIATION_EPS = 1e-6  # added to the L2 norm (the authors' code)
+
+
+def default_skip_layers(num_layers: int) -> tuple[int, ...]:
+    """The paper's skip depths for a model of ``num_layers`` layers (see the module doc)."""
+    if num_layers < 4:
+        return ()
+    chosen = {min(max(math.floor(num_layers * f + 0.5), 2), num_layers - 2)
+              for f in PAPER_DEPTHS}
+    return tuple(sorted(chosen))
+
+
+@dataclasses.dataclass(frozen=True)
+class EarlySkipPolicyConfig(StrategyConfig):
+    engine_only: ClassVar[tuple[str, ...]] = ("skip_layers",)
+
+    alpha: float = option(0.5, Rule(float, low=0.0, high=1.0))
+    skip_ratio: float = option(0.5, Rule(float, low=0.0, high=1.0))  # below 1
+    # Layers after whose output positions are skipped; None: the paper's depths.
+    skip_layers: tuple[int, ...] | None = option(
+        None, Rule(tuple, low=0, high=1023, optional=True))
+    # Every n-th step of a block computes everything; None: only the first.
+    refresh_period: int | None = option(None, Rule(int, low=1, high=4096, optional=True))
+
+    def validate_for_block(self, block_size: int, source: str) -> None:
+        super().validate_for_block(block_size, source)
+        if self.skip_ratio >= 1.0:
+            raise OptionError(f"{source}: option 'skip_ratio' must be below 1 (the share "
+                              f"of positions skipped at each skip layer), got {self.skip_ratio}")
+        layers = self.skip_layers
+        if layers is not None and list(layers) != sorted(set(layers)):
+            raise OptionError(f"{source}: option 'skip_layers' must list distinct layers "
+                              f"in increasing order, got {list(layers)}")
+
+
+@dataclasses.dataclass
+class EarlySkipState:
+    """Per request: the current block's caches."""
+
+    block_size: int
+    block_start: int = -1
+    fresh: bool = True  # no step of this block has completed since its caches were reset
+    full_step: bool = True  # this step computes every position through every layer
+    # [B] float32 (host): each position's confidence at the last step it reached the logits
+    confidence: torch.Tensor | None = None
+    # layer -> [B, hidden] float32 (model device): each position's last output of the layer
+    hidden: dict[int, torch.Tensor] = dataclasses.field(default_factory=dict)
+
+    def start_block(self, block_start: int, kv_lost: bool) -> None:
+        if block_start != self.block_start or kv_lost:
+            self.block_start = block_start
+            self.fresh = True
+            self.confidence = torch.zeros(self.block_size)
+            self.hidden = {}
+
+
+@dataclasses.dataclass
+class SkippingBlock:
+    """One request's block in a step: which of its computed positions are still in the
+    forward (indices into ``step_request.block_positions``)."""
+
+    step_request: StepRequest
+    alive: torch.Tensor  # [n] int64
+
+
+def keep_count(skip_ratio: float, entering: int) -> int:
+    return max(1, math.floor((1.0 - skip_ratio) * entering))
+
+
+def variation(hidden: torch.Tensor, previous: torch.Tensor) -> torch.Tensor:
+    """[n] Eq. 1's variation term; hidden, previous: [n, d]. Divided by its maximum when
+    that exceeds 1."""
+    width = hidden.shape[-1]
+    change = (hidden - previous).abs().sum(dim=-1) / (
+        math.sqrt(width) * (previous.norm(dim=-1) + VARIATION_EPS))
+    return change / change.max().clamp(min=1.0)
+
+
+class EarlySkipHooks(StepHooks):
+    def __init__(self, step: ForwardStep, skip_layers: tuple[int, ...],
+                 mask_token_id: int) -> None:
+        self.layers = LayerHooks(after_output=skip_layers)
+        self.mask_token_id = mask_token_id
+        self.blocks = [SkippingBlock(s, torch.arange(len(s.block_positions)))
+                       for s in step.requests if s.request is not None]
+
+    def after_output(self, layer_input: LayerInput) -> RowSelection | None:
+        layer, hidden = layer_input.layer, layer_input.hidden
+        scoring, scores = [], []
+        for block in self.blocks:
+            s = block.step_request
+            state, config = s.request.policy_state, s.request.policy_config
+            positions = s.block_positions[block.alive]
+            current = layer_input.current_rows(s.block_rows[block.alive]).to(hidden.device)
+            output = hidden[current].float()  # [n, d]
+            cache = state.hidden.get(layer)
+            if cache is None:
+                cache = state.hidden[layer] = output.new_zeros(state.block_size, output.shape[1])
+            if not state.full_step:
+                device_positions = positions.to(hidden.device)
+                confidence = state.confidence[positions].to(hidden.device)
+                scores.append(config.alpha * confidence + (1 - config.alpha) * variation(
+                    output, cache[device_positions]))
+                scoring.append(block)
+            cache[positions.to(hidden.device)] = output
+        if not scoring:
+            return None
+        # Every block's importance in one host copy.
+        host = torch.cat(scores).cpu().split([len(b.alive) for b in scoring])
+        keep = torch.ones(len(layer_input.rows), dtype=torch.bool)
+        for block, importance in zip(scoring, host):
+            s = block.step_request
+            chosen = self._continuing(s, block.alive, importance)
+            dropped = block.alive[~chosen]
+            if len(dropped):
+                keep[layer_input.current_rows(s.block_rows[dropped])] = False
+            block.alive = block.alive[chosen]
+        return RowSelection(keep) if not bool(keep.all()) else None
+
+    def _continuing(self, s: StepRequest, alive: torch.Tensor,
+                    importance: torch.Tensor) -> torch.Tensor:
+        """[n] bool over ``alive``: the positions that continue past this layer."""
+        state, config = s.request.policy_state, s.request.policy_config
+        positions = s.block_positions[alive]
+        masked = s.request.canvas.masked(self.mask_token_id)[positions]
+        importance = importance.clone()
+        if bool(masked.any()):  # the most confident masked position always continues
+            confidence = torch.where(masked, state.confidence[positions],
+                                     torch.full_like(importance, -1.0))
+            importance[int(torch.argmax(confidence))] = float("inf")
+        order = torch.sort(importance, descending=True, stable=True).indices
+        chosen = torch.zeros(len(alive), dtype=torch.bool)
+        chosen[order[:keep_count(config.skip_ratio, len(alive))]] = True
+        return chosen
+
+
+class EarlySkipPolicy(StrategyPolicy):
+    """Unmasks like ``standard`` among the positions that were not skipped."""
+
+    name: ClassVar[str] = "es"
+    config_cls: ClassVar[type] = EarlySkipPolicyConfig
+
+    def __init__(self, block_size: int, mask_token_id: int,
+                 engine_config: EarlySkipPolicyConfig) -> None:
+        super().__init__(block_size, mask_token_id, engine_config)
+        self.skip_layers: tuple[int, ...] = engine_config.skip_layers or ()
+
+    def bind_model(self, hf_config: Any, prefix_caching: bool) -> None:
+        num_layers = hf_config.num_hidden_layers
+        layers = self.engine_config.skip_layers
+        if layers is None:
+            layers = default_skip_layers(num_layers)
+            if not layers:
+                raise ValueError(f"the es policy skips after layers 2..L-2; the model has "
+                                 f"{num_layers} layer(s) (at least 4 needed, or set "
+                                 f"'skip_layers')")
+        elif layers[-1] > num_layers - 2:
+            raise ValueError(f"option 'skip_layers' {list(layers)}: skipping after layer "
+                             f"{layers[-1]} needs a later layer; the model has {num_layers} "
+                             f"layer(s) (valid: 0..{num_layers - 2})")
+        self.skip_layers = tuple(layers)
+
+    def new_state(self, config: Any) -> EarlySkipState:
+        return EarlySkipState(self.block_size)
+
+    def positions_to_compute(self, request: DiffusionRequest,
+                             kv_lost: bool) -> torch.Tensor | None:
+        state, config = request.policy_state, request.policy_config
+        state.start_block(request.canvas.start, kv_lost)
+        step = request.canvas.steps
+        period = config.refresh_period
+        state.full_step = (state.fresh or config.skip_ratio == 0.0
+                           or (period is not None and step % period == 0)
+                           or step >= config.steps_for(self.block_size) - 1)
+        return None
+
+    def forward_hooks(self, step: ForwardStep) -> StepHooks | None:
+        if not any(s.request is not None for s in step.requests):
+            return None
+        return EarlySkipHooks(step, self.skip_layers, self.mask_token_id)
+
+    def choose_commits(self, batch: CommitBatch) -> torch.Tensor:
+        """The strategy's commits among computed positions; then records every computed
+        position's confidence (0 where it was already decoded) for the next step."""
+        commits = super().choose_commits(batch)
+        computed = batch.confidence > float("-inf")  # [R, B]
+        for i, request in enumerate(batch.requests):
+            state = request.policy_state
+            observed = torch.where(batch.masked[i], batch.confidence[i],
+                                   torch.zeros_like(batch.confidence[i]))
+            state.confidence = torch.where(computed[i], observed, state.confidence)
+            state.fresh = False
+        return commits
+
+    def on_block_complete(self, request: DiffusionRequest) -> None:
+        request.policy_state.hidden = {}
