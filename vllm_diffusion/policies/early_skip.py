@@ -43,7 +43,7 @@ import torch
 
 from vllm_diffusion.options import OptionError, Rule, option
 from vllm_diffusion.policies.base import (CommitBatch, ForwardStep, LayerHooks, LayerInput,
-                                          RowSelection, StepHooks, StepRequest)
+                                          RowSelection, StepHooks)
 from vllm_diffusion.policies.standard import StrategyConfig, StrategyPolicy
 from vllm_diffusion.worker.request_state import DiffusionRequest
 
@@ -104,84 +104,92 @@ class EarlySkipState:
             self.hidden = {}
 
 
-@dataclasses.dataclass
-class SkippingBlock:
-    """One request's block in a step: which of its computed positions are still in the
-    forward (indices into ``step_request.block_positions``)."""
-
-    step_request: StepRequest
-    alive: torch.Tensor  # [n] int64
-
-
 def keep_count(skip_ratio: float, entering: int) -> int:
     return max(1, math.floor((1.0 - skip_ratio) * entering))
 
 
-def variation(hidden: torch.Tensor, previous: torch.Tensor) -> torch.Tensor:
-    """[n] Eq. 1's variation term; hidden, previous: [n, d]. Divided by its maximum when
-    that exceeds 1."""
+def variation(hidden: torch.Tensor, previous: torch.Tensor,
+              segment: torch.Tensor, num_segments: int) -> torch.Tensor:
+    """[n] Eq. 1's variation term of n positions of ``num_segments`` blocks (``segment``:
+    [n] the block of each); hidden, previous: [n, d]. Divided, per block, by its maximum
+    when that exceeds 1."""
     width = hidden.shape[-1]
     change = (hidden - previous).abs().sum(dim=-1) / (
         math.sqrt(width) * (previous.norm(dim=-1) + VARIATION_EPS))
-    return change / change.max().clamp(min=1.0)
+    largest = torch.ones(num_segments, device=change.device, dtype=change.dtype).scatter_reduce(
+        0, segment, change, reduce="amax")  # max(1, the block's maximum)
+    return change / largest[segment]
+
+
+def first_by_segment(score: torch.Tensor, segment: torch.Tensor) -> torch.Tensor:
+    """[n] the order of n entries by segment, then score descending, then index (host)."""
+    by_score = torch.sort(score, descending=True, stable=True).indices
+    return by_score[torch.sort(segment[by_score], stable=True).indices]
 
 
 class EarlySkipHooks(StepHooks):
+    """The step's skipping, over every block at once: at each skip layer the entries are
+    the positions still in the forward, flat over the blocks (``segment``: their block)."""
+
     def __init__(self, step: ForwardStep, skip_layers: tuple[int, ...],
                  mask_token_id: int) -> None:
         self.layers = LayerHooks(after_output=skip_layers)
-        self.mask_token_id = mask_token_id
-        self.blocks = [SkippingBlock(s, torch.arange(len(s.block_positions)))
-                       for s in step.requests if s.request is not None]
+        self.requests = [s for s in step.requests if s.request is not None]
+        self.states = [s.request.policy_state for s in self.requests]
+        configs = [s.request.policy_config for s in self.requests]
+        self.alpha = torch.tensor([c.alpha for c in configs])
+        self.skip_ratio = [c.skip_ratio for c in configs]
+        self.skipping = torch.tensor([not state.full_step for state in self.states])
+        # [R, B] (host): positions masked, and each position's confidence at its last step
+        self.masked = torch.stack([s.request.canvas.masked(mask_token_id)
+                                   for s in self.requests]) if self.requests else None
+        self.confidence = torch.stack([state.confidence for state in self.states]
+                                      ) if self.requests else None
+        # Per block, its computed positions still in the forward (indices into them).
+        self.alive = [torch.arange(len(s.block_positions)) for s in self.requests]
 
     def after_output(self, layer_input: LayerInput) -> RowSelection | None:
-        layer, hidden = layer_input.layer, layer_input.hidden
-        scoring, scores = [], []
-        for block in self.blocks:
-            s = block.step_request
-            state, config = s.request.policy_state, s.request.policy_config
-            positions = s.block_positions[block.alive]
-            current = layer_input.current_rows(s.block_rows[block.alive]).to(hidden.device)
-            output = hidden[current].float()  # [n, d]
-            cache = state.hidden.get(layer)
-            if cache is None:
-                cache = state.hidden[layer] = output.new_zeros(state.block_size, output.shape[1])
-            if not state.full_step:
-                device_positions = positions.to(hidden.device)
-                confidence = state.confidence[positions].to(hidden.device)
-                scores.append(config.alpha * confidence + (1 - config.alpha) * variation(
-                    output, cache[device_positions]))
-                scoring.append(block)
-            cache[positions.to(hidden.device)] = output
-        if not scoring:
+        if not self.requests:
             return None
-        # Every block's importance in one host copy.
-        host = torch.cat(scores).cpu().split([len(b.alive) for b in scoring])
+        layer, hidden = layer_input.layer, layer_input.hidden
+        device, count = hidden.device, len(self.requests)
+        sizes = torch.tensor([len(a) for a in self.alive])
+        segment = torch.repeat_interleave(torch.arange(count), sizes)  # [n]
+        positions = torch.cat([s.block_positions[a] for s, a in zip(self.requests, self.alive)])
+        step_rows = torch.cat([s.block_rows[a] for s, a in zip(self.requests, self.alive)])
+        current = layer_input.current_rows(step_rows).to(device)
+        output = hidden[current].float()  # [n, d]
+        caches = torch.stack([state.hidden.get(layer, output.new_zeros(
+            state.block_size, output.shape[1])) for state in self.states])  # [R, B, d]
+        device_segment, device_positions = segment.to(device), positions.to(device)
+        previous = caches[device_segment, device_positions]
+        caches[device_segment, device_positions] = output
+        for state, cache in zip(self.states, caches):
+            state.hidden[layer] = cache
+        if not bool(self.skipping.any()):
+            return None
+        confidence = self.confidence[segment, positions]  # [n] (host)
+        alpha = self.alpha[segment]
+        importance = (alpha.to(device) * confidence.to(device) + (1 - alpha.to(device))
+                      * variation(output, previous, device_segment, count)).cpu()
+        # The most confident masked position of each block always continues.
+        masked = self.masked[segment, positions]
+        by_confidence = first_by_segment(torch.where(masked, confidence, -1.0), segment)
+        starts = torch.cumsum(sizes, 0) - sizes
+        best = by_confidence[starts[sizes > 0]]
+        importance[best[masked[best]]] = float("inf")
+        order = first_by_segment(importance, segment)
+        rank = torch.empty_like(order)
+        rank[order] = torch.arange(len(order)) - starts[segment[order]]
+        keep_counts = torch.tensor([keep_count(r, int(n))
+                                    for r, n in zip(self.skip_ratio, sizes)])
+        continuing = (rank < keep_counts[segment]) | ~self.skipping[segment]
+        if bool(continuing.all()):
+            return None
         keep = torch.ones(len(layer_input.rows), dtype=torch.bool)
-        for block, importance in zip(scoring, host):
-            s = block.step_request
-            chosen = self._continuing(s, block.alive, importance)
-            dropped = block.alive[~chosen]
-            if len(dropped):
-                keep[layer_input.current_rows(s.block_rows[dropped])] = False
-            block.alive = block.alive[chosen]
-        return RowSelection(keep) if not bool(keep.all()) else None
-
-    def _continuing(self, s: StepRequest, alive: torch.Tensor,
-                    importance: torch.Tensor) -> torch.Tensor:
-        """[n] bool over ``alive``: the positions that continue past this layer."""
-        state, config = s.request.policy_state, s.request.policy_config
-        positions = s.block_positions[alive]
-        masked = s.request.canvas.masked(self.mask_token_id)[positions]
-        importance = importance.clone()
-        if bool(masked.any()):  # the most confident masked position always continues
-            confidence = torch.where(masked, state.confidence[positions],
-                                     torch.full_like(importance, -1.0))
-            importance[int(torch.argmax(confidence))] = float("inf")
-        order = torch.sort(importance, descending=True, stable=True).indices
-        chosen = torch.zeros(len(alive), dtype=torch.bool)
-        chosen[order[:keep_count(config.skip_ratio, len(alive))]] = True
-        return chosen
+        keep[layer_input.current_rows(step_rows[~continuing])] = False
+        self.alive = [a[c] for a, c in zip(self.alive, continuing.split(sizes.tolist()))]
+        return RowSelection(keep)
 
 
 class EarlySkipPolicy(StrategyPolicy):
@@ -233,12 +241,12 @@ class EarlySkipPolicy(StrategyPolicy):
         """The strategy's commits among computed positions; then records every computed
         position's confidence (0 where it was already decoded) for the next step."""
         commits = super().choose_commits(batch)
+        states = [r.policy_state for r in batch.requests]
         computed = batch.confidence > float("-inf")  # [R, B]
-        for i, request in enumerate(batch.requests):
-            state = request.policy_state
-            observed = torch.where(batch.masked[i], batch.confidence[i],
-                                   torch.zeros_like(batch.confidence[i]))
-            state.confidence = torch.where(computed[i], observed, state.confidence)
+        observed = torch.where(batch.masked, batch.confidence, 0.0)
+        updated = torch.where(computed, observed, torch.stack([s.confidence for s in states]))
+        for state, confidence in zip(states, updated):
+            state.confidence = confidence
             state.fresh = False
         return commits
 
