@@ -187,6 +187,7 @@ def ada_freeze(confidence: list[float], masked: list[bool], history: list[list[f
 @torch.no_grad()
 def reference_ada_generate(model: ReferenceSDAR, prompt: list[int], *, block_size: int,
                            mask_id: int, max_tokens: int, capacity: float, history: int,
+                           intra_block_cache: bool = True,
                            stop_token_ids=frozenset()) -> list[int]:
     def decode_block(start, committed, block):
         prefix = prefix_kv(model, committed, block_size) if committed else None
@@ -196,7 +197,8 @@ def reference_ada_generate(model: ReferenceSDAR, prompt: list[int], *, block_siz
         steps = 0
         while bool((block == mask_id).any()):
             masked = (block == mask_id).tolist()
-            rows = torch.nonzero(torch.tensor(cache.processing())).flatten()
+            processing = cache.processing() if intra_block_cache else [True] * block_size
+            rows = torch.nonzero(torch.tensor(processing)).flatten()
             rows, logits = _block_forward(model, block, rows, start, prefix, stores)
             confidence, proposal = _proposals(logits, rows, block_size, mask_id)
             for i in range(block_size):

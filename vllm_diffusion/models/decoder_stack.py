@@ -36,10 +36,11 @@ class StackRun:
     """One forward of a diffusion step: its hooks in, its surviving rows out."""
 
     hooks: StepHooks | None
-    # [T] bool (host): the step's block rows; when given, ``layer_block_rows`` counts them
+    # [T] bool (host): the step's block rows; with hooks, ``layer_block_rows`` counts them
+    # per layer (without hooks every layer computes all of them, and nothing is counted)
     block_rows: torch.Tensor | None = None
     rows: torch.Tensor | None = None  # [T'] step rows of the output hidden states (host)
-    layer_block_rows: list[int] = dataclasses.field(default_factory=list)  # per layer
+    layer_block_rows: list[int] = dataclasses.field(default_factory=list)
 
 
 def _step_metadata(model: nn.Module):
@@ -64,7 +65,7 @@ def run_decoder_stack(model: nn.Module, input_ids: torch.Tensor, positions: torc
     hidden = model.embed_input_ids(input_ids)
     residual = None
     rows = torch.arange(hidden.shape[0])
-    counting = run is not None and run.block_rows is not None
+    counting = hooks is not None and run.block_rows is not None
     block_count = int(run.block_rows.sum()) if counting else 0
     for index, layer in enumerate(islice(model.layers, model.start_layer, model.end_layer),
                                   start=model.start_layer):

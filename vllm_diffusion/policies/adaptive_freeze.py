@@ -22,7 +22,8 @@ Freezing commits the position's proposed token. Frozen positions then cost nothi
 FOCUS's neighbour-aware intra-block cache (``block_cache.py``), a decoded position is
 recomputed once with its real token and then keeps its KV (Ada-DLM's gather-compute-
 scatter: the step computes only the gathered rows). Committed KV is exact: a completed
-block is re-encoded when it is committed.
+block is re-encoded when it is committed. With ``intra_block_cache=False`` every step
+recomputes the whole block (to separate the decision's effect from the cache's).
 """
 
 from __future__ import annotations
@@ -44,6 +45,8 @@ class AdaptiveFreezeConfig(PolicyConfig):
     # K as a share of the block's masked positions (the paper: about 15%)
     capacity: float = option(0.15, Rule(float, low=0.0, high=1.0, low_inclusive=False))
     history: int = option(3, Rule(int, low=1, high=16))  # confidence steps per feature
+    # False: every step recomputes the whole block (frozen positions included)
+    intra_block_cache: bool = option(True, Rule(bool))
 
 
 def capacity_count(capacity: float, num_masked: int) -> int:
@@ -123,6 +126,8 @@ class AdaptiveFreezePolicy(DecodingPolicy):
                              kv_lost: bool) -> torch.Tensor | None:
         state = request.policy_state
         state.start_block(request.canvas.start, kv_lost)
+        if not request.policy_config.intra_block_cache:
+            return None
         return state.cache.processing_set()
 
     def choose_commits(self, batch: CommitBatch) -> torch.Tensor:

@@ -87,6 +87,7 @@ class DiffusionRunnerMixin:
         self.policy.bind_model(self.vllm_config.model_config.hf_config,
                                bool(self.cache_config.enable_prefix_caching))
         self.diffusion_requests: dict[str, DiffusionRequest] = {}
+        self.num_layers = self.vllm_config.model_config.hf_config.num_hidden_layers
         self.diffusion_stats = DiffusionStats()
         self.importance_recorder: ImportanceRecorder | None = None  # the decodability study
 
@@ -202,10 +203,11 @@ class DiffusionRunnerMixin:
                                        stack_run=run)
         stats = self.diffusion_stats
         stats.positions_computed += len(positions)
+        counts = run.layer_block_rows or [int(block_rows.sum())] * self.num_layers
         per_layer = stats.block_positions_per_layer
-        if len(per_layer) < len(run.layer_block_rows):
-            per_layer.extend([0] * (len(run.layer_block_rows) - len(per_layer)))
-        for layer, count in enumerate(run.layer_block_rows):
+        if len(per_layer) < len(counts):
+            per_layer.extend([0] * (len(counts) - len(per_layer)))
+        for layer, count in enumerate(counts):
             per_layer[layer] += count
         return hidden_states, run.rows
 
