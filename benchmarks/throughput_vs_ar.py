@@ -3,8 +3,9 @@ next to the plugin's configurations, in one run.
 
 The autoregressive baseline is what every user already has: the embedded checkpoint with
 its config switched to ``Qwen3ForCausalLM`` (same weights), served by stock vLLM with its
-defaults (compiled; ``--ar-eager`` for eager). The plugin runs eagerly (compiled execution
-is a separate issue). Configurations alternate within each round; each round opens one
+defaults (compiled; ``--ar-eager`` for eager). The plugin runs eagerly, as its tests do,
+unless ``--plugin-compiled`` (then with vLLM's default compilation; FOCUS still runs eagerly,
+as it drops rows inside the forward). Configurations alternate within each round; each round opens one
 engine per configuration and runs every batch size on it. For batch size b, b greedy
 chat requests (the evaluation families interleaved) are submitted at once, repeated until
 at least ``--min-requests`` have run; tokens/s is total output tokens over wall time, the
@@ -91,7 +92,7 @@ def large_workload(vocab_size: int, count: int) -> list:
 
 
 def open_engine(name: str, model: pathlib.Path, ar_model: pathlib.Path, ar_eager: bool,
-                max_num_seqs: int):
+                max_num_seqs: int, plugin_eager: bool = True):
     from vllm import LLM
 
     from vllm_diffusion.offline import diffusion_llm
@@ -102,7 +103,8 @@ def open_engine(name: str, model: pathlib.Path, ar_model: pathlib.Path, ar_eager
         return _closing(llm)
     block, engine, _ = CONFIGS[name]
     return diffusion_llm(model, diffusion_block_size=block, max_model_len=1024,
-                         max_num_seqs=max_num_seqs, additional_config=engine)
+                         max_num_seqs=max_num_seqs, additional_config=engine,
+                         enforce_eager=plugin_eager)
 
 
 class _closing:
@@ -170,6 +172,8 @@ def main() -> None:
     parser.add_argument("--min-requests", type=int, default=16)
     parser.add_argument("--max-tokens", type=int, default=96)
     parser.add_argument("--ar-eager", action="store_true")
+    parser.add_argument("--plugin-compiled", action="store_true",
+                        help="the plugin's engines with vLLM's default compilation")
     parser.add_argument("--shape", choices=("embedded", "large"), default="embedded",
                         help="the embedded model, or the compute-bound random-weight shape")
     parser.add_argument("--latency-profile", default=None,
@@ -211,7 +215,7 @@ def main() -> None:
         for _ in range(args.rounds):
             for name in args.configs:
                 with open_engine(name, model, ar_model, args.ar_eager,
-                                 max(args.batch_sizes)) as llm:
+                                 max(args.batch_sizes), not args.plugin_compiled) as llm:
                     prompts = (workload if workload is not None
                                else chat_prompts(llm.get_tokenizer(), examples))
                     run_batch(llm, name, prompts, examples, 1, 1, 8)  # warm-up
@@ -245,7 +249,7 @@ def summarise(cells, args) -> dict:
                          "rows_per_committed_token": statistics.mean(
                              r["rows_per_committed_token"] for r in runs)})
     return {"machine": f"{os.cpu_count()} CPU cores", "shape": args.shape,
-            "ar_compiled": not args.ar_eager,
+            "ar_compiled": not args.ar_eager, "plugin_compiled": args.plugin_compiled,
             "max_tokens": args.max_tokens, "rounds": args.rounds, "rows": rows}
 
 

@@ -25,7 +25,8 @@ def diffusion_llm(model: str | pathlib.Path, *, diffusion_block_size: int | None
     if diffusion_block_size is not None:
         additional_config["diffusion_block_size"] = diffusion_block_size
     kwargs.setdefault("dtype", "float32")
-    llm = LLM(model=str(model), enforce_eager=True, seed=0, max_model_len=max_model_len,
+    kwargs.setdefault("enforce_eager", True)  # the tests' and benchmarks' default
+    llm = LLM(model=str(model), seed=0, max_model_len=max_model_len,
               max_num_seqs=max_num_seqs, additional_config=additional_config, **kwargs)
     try:
         yield llm

@@ -64,7 +64,7 @@ def run_decoder_stack(model: nn.Module, input_ids: torch.Tensor, positions: torc
         raise RuntimeError("policy hooks need the block-diffusion attention metadata")
     hidden = model.embed_input_ids(input_ids)
     residual = None
-    rows = torch.arange(hidden.shape[0])
+    rows = torch.arange(hidden.shape[0]) if hooks is not None else None
     counting = hooks is not None and run.block_rows is not None
     block_count = int(run.block_rows.sum()) if counting else 0
     for index, layer in enumerate(islice(model.layers, model.start_layer, model.end_layer),

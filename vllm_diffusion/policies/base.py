@@ -139,6 +139,9 @@ class CommitBatch:
 class DecodingPolicy(abc.ABC):
     name: ClassVar[str]
     config_cls: ClassVar[type[PolicyConfig]]
+    # True if its forward hooks may drop rows inside the forward: the engine then runs
+    # eagerly (vLLM compiles the forward once, for a row count fixed when it starts).
+    drops_rows_in_forward: ClassVar[bool] = False
 
     def __init__(self, block_size: int, mask_token_id: int, engine_config: Any) -> None:
         self.block_size = block_size

@@ -197,6 +197,7 @@ class EarlySkipPolicy(StrategyPolicy):
 
     name: ClassVar[str] = "es"
     config_cls: ClassVar[type] = EarlySkipPolicyConfig
+    drops_rows_in_forward: ClassVar[bool] = True
 
     def __init__(self, block_size: int, mask_token_id: int,
                  engine_config: EarlySkipPolicyConfig) -> None:

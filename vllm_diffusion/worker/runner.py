@@ -173,7 +173,9 @@ class DiffusionRunnerMixin:
         device = self.device
         page_size = self.cache_config.block_size
         positions = torch.tensor([p for r in rows for p in r.positions], dtype=torch.long)
-        token_ids = torch.tensor([t for r in rows for t in r.token_ids], dtype=torch.long)
+        # int32 as vLLM's own runners pass them: a compiled forward is traced once, with
+        # guards dropped, for the dtype its warm-up saw (int64 ids would be misread).
+        token_ids = torch.tensor([t for r in rows for t in r.token_ids], dtype=torch.int32)
         page_tables = [torch.tensor(self.requests[r.req_id].block_ids[0], dtype=torch.long)
                        for r in rows]
         table = torch.nn.utils.rnn.pad_sequence(page_tables, batch_first=True)
@@ -195,21 +197,27 @@ class DiffusionRunnerMixin:
         for s in step.requests:
             if s.block_rows is not None:
                 block_rows[s.block_rows] = True
-        run = StackRun(hooks, block_rows)
+        # Steps without hooks run the model as vLLM built it (compiled unless eager);
+        # steps with hooks run the decoder stack eagerly.
+        run = StackRun(hooks, block_rows) if hooks is not None else None
         with set_forward_context({name: metadata for name in layer_names},
                                  self.vllm_config, num_tokens=len(positions),
-                                 slot_mapping={}):
-            hidden_states = self.model(input_ids=token_ids.to(device), positions=positions,
-                                       stack_run=run)
+                                 slot_mapping={}, skip_compiled=run is not None):
+            if run is None:
+                hidden_states = self.model(input_ids=token_ids.to(device), positions=positions)
+            else:
+                hidden_states = self.model(input_ids=token_ids.to(device),
+                                           positions=positions, stack_run=run)
         stats = self.diffusion_stats
         stats.positions_computed += len(positions)
-        counts = run.layer_block_rows or [int(block_rows.sum())] * self.num_layers
+        counts = ((run.layer_block_rows if run is not None else None)
+                  or [int(block_rows.sum())] * self.num_layers)
         per_layer = stats.block_positions_per_layer
         if len(per_layer) < len(counts):
             per_layer.extend([0] * (len(counts) - len(per_layer)))
         for layer, count in enumerate(counts):
             per_layer[layer] += count
-        return hidden_states, run.rows
+        return hidden_states, run.rows if run is not None else torch.arange(len(positions))
 
     @staticmethod
     def _denoised_blocks(rows: list[RequestRows], step: ForwardStep, out_rows: torch.Tensor

@@ -112,6 +112,7 @@ class FocusPolicy(StrategyPolicy):
 
     name: ClassVar[str] = "focus"
     config_cls: ClassVar[type] = FocusPolicyConfig
+    drops_rows_in_forward: ClassVar[bool] = True
 
     def __init__(self, block_size: int, mask_token_id: int,
                  engine_config: FocusPolicyConfig) -> None:
