@@ -6,8 +6,10 @@ raw layer-1 importance, and whether the position was decoded that step. Each sco
 turned into a percentile rank among the candidates of its own step (the ranking FOCUS
 selects by); the report gives the decode rate and the share of decoded tokens per
 percentile bin, and the ROC AUC of each score as a predictor of decoding: over all
-candidates, and over the answer's own positions only (``answer_positions``: up to the
-answer's end token; the block positions after it decode as end-of-text filler, in bulk).
+candidates, over the answer's own positions only (``answer_positions``: up to the
+answer's end token; the block positions after it decode as end-of-text filler, in bulk),
+and over hard steps (at least 8 candidates, at most 3 decoded), next to a leftmost-first
+baseline (a candidate's negated position).
 
     python benchmarks/decodability_study.py [--model DIR] [--block-size 32]
 """
@@ -52,14 +54,30 @@ def roc_auc(scores: np.ndarray, labels: np.ndarray) -> float:
     return float(u / (len(positives) * len(negatives)))
 
 
-def analyse(records: list[dict[str, list]]) -> dict:
+# Scores of each candidate: FOCUS's delta, raw layer-1 importance, and a leftmost-first
+# baseline (the negated position: the leftmost masked position ranks highest).
+METRICS = ("delta", "layer1", "leftmost")
+
+
+def metric_scores(record: dict[str, list], metric: str) -> list[float]:
+    if metric == "leftmost":
+        return [-float(p) for p in record["positions"]]
+    return record[metric]
+
+
+def is_hard(record: dict[str, list]) -> bool:
+    """A hard step: at least 8 candidates, at most 3 of them decoded."""
+    return len(record["decoded"]) >= 8 and sum(record["decoded"]) <= 3
+
+
+def analyse(records: list[dict[str, list]], hard_steps: bool = True) -> dict:
     steps = [r for r in records if len(r["decoded"]) > 1]
     decoded = np.concatenate([np.asarray(r["decoded"], dtype=bool) for r in steps])
     report = {"steps": len(steps), "candidates": int(len(decoded)),
               "decoded": int(decoded.sum()), "base_decode_rate": float(decoded.mean())}
-    for metric in ("delta", "layer1"):
-        ranks = np.concatenate([percentile_ranks(r[metric]) for r in steps])
-        raw = np.concatenate([np.asarray(r[metric]) for r in steps])
+    for metric in METRICS:
+        ranks = np.concatenate([percentile_ranks(metric_scores(r, metric)) for r in steps])
+        raw = np.concatenate([np.asarray(metric_scores(r, metric)) for r in steps])
         bins = []
         for low, high in zip(BINS[:-1], BINS[1:]):
             inside = (ranks >= low) & ((ranks < high) if high < 100 else (ranks <= high))
@@ -69,6 +87,9 @@ def analyse(records: list[dict[str, list]]) -> dict:
                          "share_of_decoded": float(decoded[inside].sum() / max(decoded.sum(), 1))})
         report[metric] = {"auc_within_step_rank": roc_auc(ranks, decoded),
                           "auc_raw": roc_auc(raw, decoded), "bins": bins}
+    if hard_steps:
+        hard = [r for r in steps if is_hard(r)]
+        report["hard_steps"] = analyse(hard, hard_steps=False) if hard else None
     return report
 
 
@@ -151,10 +172,13 @@ def main() -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2) + "\n")
     plot(report, pathlib.Path(args.plot))
-    for part, label in parts(report):
+    for part, label in (*parts(report), (report.get("hard_steps"), "hard steps")):
+        if part is None:
+            print(f"{label}: none")
+            continue
         print(f"{label}: " + json.dumps({k: v for k, v in part.items()
                                           if k in ("steps", "candidates", "decoded", "base_decode_rate")}))
-        for metric in ("delta", "layer1"):
+        for metric in METRICS:
             print(f"  {metric} AUC {part[metric]['auc_within_step_rank']:.3f}, decode rate by bin",
                   [b["decode_rate"] and round(b["decode_rate"], 3) for b in part[metric]["bins"]])
 
