@@ -4,6 +4,7 @@ map, per-request options and the diffusion metrics."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import requests
@@ -13,6 +14,14 @@ from vllm_diffusion.testing.server import vllm_server
 from vllm_diffusion.testing.tiny_sdar import build_tiny_sdar
 
 pytestmark = pytest.mark.engine
+
+
+def layer_positions(url: str) -> dict[int, float]:
+    """``vllm:diffusion_num_layer_positions_total`` by its 'layer' label."""
+    text = requests.get(f"{url}/metrics", timeout=10).text
+    found = re.findall(r'^vllm:diffusion_num_layer_positions_total\{[^}]*layer="(\d+)"[^}]*\} '
+                       r'([0-9.e+-]+)$', text, re.MULTILINE)
+    return {int(layer): float(value) for layer, value in found}
 
 
 @pytest.mark.parametrize("policy,options", [("es", {"skip_ratio": 0.5, "alpha": 0.5}),
@@ -43,7 +52,9 @@ def test_policy_serves_completions_stream_and_step_map(policy, options, tmp_path
         positions = metric(url, "vllm:diffusion_num_canvas_positions_total")
         later = metric(url, "vllm:diffusion_num_positions_after_eviction_total")
         assert metric(url, "vllm:diffusion_num_committed_tokens_total") >= 32
-        if policy == "es":  # positions skipped after layer 2 do not reach the last layer
-            assert later < positions
+        per_layer = layer_positions(url)
+        assert sorted(per_layer) == [0, 1, 2, 3] and per_layer[3] == later
+        if policy == "es":  # positions skipped after layer 2 do not reach layer 3
+            assert later < positions and per_layer[0] == per_layer[2] > per_layer[3]
         else:  # ada computes fewer positions but drops none inside the forward
-            assert later == positions
+            assert later == positions and len(set(per_layer.values())) == 1

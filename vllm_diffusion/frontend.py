@@ -154,11 +154,21 @@ def _install_diffusion_metric_names() -> None:
                                   "positions when nothing is evicted).",
                     labelnames=labelnames),
                 self.per_engine_labelvalues)
+            per_layer = prom._counter_cls(
+                name="vllm:diffusion_num_layer_positions",
+                documentation="Block positions whose queries each layer computed (label "
+                              "'layer'); lower in later layers when a policy drops rows.",
+                labelnames=[*labelnames, "layer"])
+            engine_labels = self.per_engine_labelvalues
             observe = prom.observe
 
             def observe_with_later_layers(stats, engine_idx: int = 0):
                 observe(stats, engine_idx)
-                later_layers[engine_idx].inc(sum(stats.num_draft_tokens_per_pos))
+                counts = stats.num_draft_tokens_per_pos
+                if counts:
+                    later_layers[engine_idx].inc(counts[0])
+                for layer, count in enumerate(counts[1:]):
+                    per_layer.labels(*engine_labels[engine_idx], str(layer)).inc(count)
 
             prom.observe = observe_with_later_layers
             self.spec_decoding_prom = prom

@@ -18,6 +18,8 @@ class DiffusionRunnerOutput(ModelRunnerOutput):
     # This step's block positions entering the model and reaching its last layer (equal
     # when the policy drops no row).
     block_positions: tuple[int, int] = (0, 0)
+    # This step's block positions through each layer (its queries computed there).
+    layer_block_positions: list[int] = dataclasses.field(default_factory=list)
     # req_id -> its committed prefix (exact KV) once this step ran, for every request
     # the step planned; the scheduler rolls num_computed_tokens back to it.
     committed_prefix: dict[str, int] = dataclasses.field(default_factory=dict)

@@ -120,12 +120,13 @@ class DiffusionRunnerMixin:
         before = (stats.block_positions_computed, stats.block_positions_after_eviction)
         sampled_by_id: dict[str, list[int]] = {}
         step_maps: dict[str, list[int]] = {}
+        layer_rows: list[int] = []
         if rows:
             step = forward_step(rows, self.device)
             hooks = self.policy.forward_hooks(step)
             if self.importance_recorder is not None:
                 hooks = self.importance_recorder.hooks(step, hooks)
-            hidden_states, out_rows = self._forward(rows, step, hooks)
+            hidden_states, out_rows, layer_rows = self._forward(rows, step, hooks)
             sampled_by_id, step_maps = self._denoise(rows, step, hidden_states, out_rows,
                                                      failed)
         stats.engine_steps += 1
@@ -135,6 +136,7 @@ class DiffusionRunnerMixin:
             sampled_token_ids=[sampled_by_id.get(r, []) for r in req_ids],
             block_positions=(stats.block_positions_computed - before[0],
                              stats.block_positions_after_eviction - before[1]),
+            layer_block_positions=layer_rows,
             committed_prefix={r.req_id: r.committed for r in rows if r.req_id not in failed},
             denoised_blocks=sum(r.request is not None and r.req_id not in failed for r in rows),
             step_maps=step_maps,
@@ -167,9 +169,10 @@ class DiffusionRunnerMixin:
             state.num_computed_tokens, scheduler_output.num_scheduled_tokens[req_id],
             self.geometry, self.diffusion.mask_token_id, request, self.policy)
 
-    def _forward(self, rows: list[RequestRows], step: ForwardStep,
-                 hooks: StepHooks | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Hidden states of the rows that reached the last layer, and those rows."""
+    def _forward(self, rows: list[RequestRows], step: ForwardStep, hooks: StepHooks | None
+                 ) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+        """Hidden states of the rows that reached the last layer, those rows, and the
+        block rows each layer computed."""
         device = self.device
         page_size = self.cache_config.block_size
         positions = torch.tensor([p for r in rows for p in r.positions], dtype=torch.long)
@@ -217,7 +220,8 @@ class DiffusionRunnerMixin:
             per_layer.extend([0] * (len(counts) - len(per_layer)))
         for layer, count in enumerate(counts):
             per_layer[layer] += count
-        return hidden_states, run.rows if run is not None else torch.arange(len(positions))
+        out_rows = run.rows if run is not None else torch.arange(len(positions))
+        return hidden_states, out_rows, counts
 
     @staticmethod
     def _denoised_blocks(rows: list[RequestRows], step: ForwardStep, out_rows: torch.Tensor

@@ -121,15 +121,16 @@ class BlockDiffusionScheduler(Scheduler):
     def _diffusion_step_stats(self, runner_output: DiffusionRunnerOutput) -> SpecDecodingStats:
         """This step's work, in the counters vLLM reports for diffusion models:
         denoising steps (one per denoised block), canvas positions evaluated (block
-        positions through layers 0-1), and committed (final) tokens; the positions that
-        reach the later layers (fewer when a policy evicts) ride in the per-position list.
+        positions entering the model), and committed (final) tokens. The per-position
+        list, which vLLM's own loggers do not read, carries the positions that reach the
+        last layer (fewer when a policy drops rows), then the positions through each layer.
         """
         committed = sum(len(t) for t in runner_output.sampled_token_ids)
         positions = runner_output.block_positions
         return SpecDecodingStats(
             num_spec_tokens=0, num_drafts=runner_output.denoised_blocks,
-            num_draft_tokens=positions[0],
-            num_accepted_tokens=committed, num_draft_tokens_per_pos=[positions[1]])
+            num_draft_tokens=positions[0], num_accepted_tokens=committed,
+            num_draft_tokens_per_pos=[positions[1], *runner_output.layer_block_positions])
 
     def make_stats(self, spec_decoding_stats: SpecDecodingStats | None = None, *args: Any,
                    **kwargs: Any):
