@@ -24,7 +24,6 @@ import pathlib
 import statistics
 import subprocess
 import sys
-import time
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -51,38 +50,26 @@ def layer_groups(per_layer: list[float]) -> list[dict]:
 
 
 def run_policy(llm, examples: list, max_tokens: int) -> dict:
-    from collections import defaultdict
-
+    """The quality harness's evaluation (after a warm-up), with 95% intervals, the mean
+    accuracy over families, throughput and the per-layer work grouped."""
     from vllm import SamplingParams
 
-    from vllm_diffusion.offline import stats_delta
-    from vllm_diffusion.quality.corpus import score
-    from vllm_diffusion.quality.harness import chat_prompts
+    from vllm_diffusion.quality.harness import chat_prompts, evaluate
 
-    prompts = chat_prompts(llm.get_tokenizer(), examples)
-    params = SamplingParams(temperature=0, max_tokens=max_tokens)
-    llm.generate(prompts[:4], params, use_tqdm=False)  # warm-up
-    before = llm.collective_rpc("diffusion_stats")[0]
-    start = time.perf_counter()
-    outputs = llm.generate(prompts, params, use_tqdm=False)
-    wall = time.perf_counter() - start
-    stats = stats_delta(before, llm.collective_rpc("diffusion_stats")[0])
-    correct: dict[str, list[bool]] = defaultdict(list)
-    for example, out in zip(examples, outputs):
-        correct[example.family].append(score(example.family, example.answer, out.outputs[0].text))
-    tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
-    per_layer = stats["layer_positions_per_committed_token"]
+    warm_up = chat_prompts(llm.get_tokenizer(), examples[:4])
+    llm.generate(warm_up, SamplingParams(temperature=0, max_tokens=max_tokens), use_tqdm=False)
+    result = evaluate(llm, examples, {}, max_tokens)
+    per_layer = result["layer_positions_per_committed_token"]
     return {
-        "accuracy": {f: sum(v) / len(v) for f, v in sorted(correct.items())},
-        "accuracy_95ci": {f: wilson(sum(v), len(v)) for f, v in sorted(correct.items())},
-        "mean_accuracy": sum(sum(v) / len(v) for v in correct.values()) / len(correct),
-        "output_tokens": tokens,
-        "output_tokens_per_s": tokens / wall,
-        "tokens_committed_per_denoising_step": stats["tokens_committed_per_denoising_step"],
-        "layer_positions_per_committed_token": per_layer,
+        **{k: result[k] for k in ("accuracy", "output_tokens",
+                                  "tokens_committed_per_denoising_step",
+                                  "layer_positions_per_committed_token",
+                                  "all_positions_per_committed_token",
+                                  "denoising_steps_per_block")},
+        "accuracy_95ci": {f: wilson(*counts) for f, counts in result["correct"].items()},
+        "mean_accuracy": sum(result["accuracy"].values()) / len(result["accuracy"]),
+        "output_tokens_per_s": result["output_tokens"] / result["wall_time_s"],
         "layer_groups": layer_groups(per_layer),
-        "all_positions_per_committed_token": stats["all_positions_per_committed_token"],
-        "denoising_steps_per_block": stats["denoising_steps_per_block"],
     }
 
 

@@ -12,7 +12,8 @@ from __future__ import annotations
 import math
 
 import torch
-from reference_focus import NeighbourCache, attend_and_mlp, prefix_kv, project
+from reference_focus import (NeighbourCache, attend_and_mlp, block_stores, generate_by_blocks,
+                             prefix_kv, project, proposals)
 from reference_sdar import ReferenceSDAR, rms_norm, select_positions, transfer_quotas
 
 
@@ -71,40 +72,6 @@ def _block_forward(model: ReferenceSDAR, block: torch.Tensor, rows: torch.Tensor
     return rows, logits
 
 
-def _proposals(logits: torch.Tensor, rows: torch.Tensor, size: int, mask_id: int):
-    logits[:, mask_id] = float("-inf")
-    probs = logits.float().softmax(-1)
-    confidence = torch.full((size,), float("-inf"))
-    proposal = torch.full((size,), mask_id)
-    confidence[rows], proposal[rows] = probs.max(-1)
-    return confidence, proposal
-
-
-def _generate(model, prompt, block_size, mask_id, max_tokens, stop_token_ids, decode_block):
-    """Blocks on the absolute grid; ``decode_block(start, committed, block)`` denoises one."""
-    start = len(prompt) // block_size * block_size
-    committed = list(prompt[:start])
-    block = torch.tensor(prompt[start:] + [mask_id] * (block_size - len(prompt) % block_size))
-    output = []
-    while True:
-        block = decode_block(start, committed, block)
-        for position, token in enumerate(block.tolist(), start=start):
-            if position < len(prompt):
-                continue
-            output.append(token)
-            if token in stop_token_ids or len(output) == max_tokens:
-                return output
-        committed += block.tolist()
-        start += block_size
-        block = torch.full((block_size,), mask_id)
-
-
-def _stores(model, block_size):
-    keys = [torch.zeros(block_size, model.num_kv_heads, model.head_dim)
-            for _ in range(model.num_layers)]
-    return keys, [torch.zeros_like(k) for k in keys]
-
-
 @torch.no_grad()
 def reference_es_generate(model: ReferenceSDAR, prompt: list[int], *, block_size: int,
                           mask_id: int, max_tokens: int, strategy: str, threshold: float,
@@ -116,7 +83,7 @@ def reference_es_generate(model: ReferenceSDAR, prompt: list[int], *, block_size
 
     def decode_block(start, committed, block):
         prefix = prefix_kv(model, committed, block_size) if committed else None
-        stores = _stores(model, block_size)
+        stores = block_stores(model, block_size)
         hidden_cache: dict[int, list[torch.Tensor]] = {}
         c_prev = [0.0] * block_size
         step = 0
@@ -143,7 +110,7 @@ def reference_es_generate(model: ReferenceSDAR, prompt: list[int], *, block_size
 
             rows, logits = _block_forward(model, block, torch.arange(block_size), start,
                                           prefix, stores, on_layer_output)
-            confidence, proposal = _proposals(logits, rows, block_size, mask_id)
+            confidence, proposal = proposals(logits, rows, block_size, mask_id)
             computed = torch.zeros(block_size, dtype=torch.bool)
             computed[rows] = True
             candidates = torch.tensor(masked) & computed
@@ -158,8 +125,8 @@ def reference_es_generate(model: ReferenceSDAR, prompt: list[int], *, block_size
             assert step <= 4 * block_size
         return block
 
-    return _generate(model, prompt, block_size, mask_id, max_tokens, stop_token_ids,
-                     decode_block)
+    return generate_by_blocks(prompt, block_size, mask_id, max_tokens, stop_token_ids,
+                              decode_block)
 
 
 def ada_freeze(confidence: list[float], masked: list[bool], history: list[list[float]],
@@ -191,7 +158,7 @@ def reference_ada_generate(model: ReferenceSDAR, prompt: list[int], *, block_siz
                            stop_token_ids=frozenset()) -> list[int]:
     def decode_block(start, committed, block):
         prefix = prefix_kv(model, committed, block_size) if committed else None
-        stores = _stores(model, block_size)
+        stores = block_stores(model, block_size)
         cache = NeighbourCache(block_size)
         trajectory = [[0.0] * history for _ in range(block_size)]
         steps = 0
@@ -200,7 +167,7 @@ def reference_ada_generate(model: ReferenceSDAR, prompt: list[int], *, block_siz
             processing = cache.processing() if intra_block_cache else [True] * block_size
             rows = torch.nonzero(torch.tensor(processing)).flatten()
             rows, logits = _block_forward(model, block, rows, start, prefix, stores)
-            confidence, proposal = _proposals(logits, rows, block_size, mask_id)
+            confidence, proposal = proposals(logits, rows, block_size, mask_id)
             for i in range(block_size):
                 if masked[i]:
                     trajectory[i] = [float(confidence[i])] + trajectory[i][:-1]
@@ -211,5 +178,5 @@ def reference_ada_generate(model: ReferenceSDAR, prompt: list[int], *, block_siz
             assert steps <= block_size
         return block
 
-    return _generate(model, prompt, block_size, mask_id, max_tokens, stop_token_ids,
-                     decode_block)
+    return generate_by_blocks(prompt, block_size, mask_id, max_tokens, stop_token_ids,
+                              decode_block)

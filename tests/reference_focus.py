@@ -130,6 +130,46 @@ def prefix_kv(model: ReferenceSDAR, tokens: list[int], block_size: int):
     return keys, values
 
 
+def block_stores(model: ReferenceSDAR, block_size: int):
+    """Per-layer key and value stores of one block, [B, Hkv, D] each (zeros)."""
+    keys = [torch.zeros(block_size, model.num_kv_heads, model.head_dim)
+            for _ in range(model.num_layers)]
+    return keys, [torch.zeros_like(k) for k in keys]
+
+
+def proposals(logits: torch.Tensor, rows: torch.Tensor, size: int, mask_id: int):
+    """Greedy proposals of block positions ``rows`` (mask token banned): [B] confidence
+    (-inf where not computed) and [B] token (the mask where not computed)."""
+    logits[:, mask_id] = float("-inf")
+    probs = logits.float().softmax(-1)
+    confidence = torch.full((size,), float("-inf"))
+    proposal = torch.full((size,), mask_id)
+    confidence[rows], proposal[rows] = probs.max(-1)
+    return confidence, proposal
+
+
+def generate_by_blocks(prompt: list[int], block_size: int, mask_id: int, max_tokens: int,
+                       stop_token_ids, decode_block) -> list[int]:
+    """Blocks on the absolute grid (the first holds the prompt's tail);
+    ``decode_block(start, committed, block)`` returns the block fully decoded. Output stops
+    after a stop token or at ``max_tokens``."""
+    start = len(prompt) // block_size * block_size
+    committed = list(prompt[:start])
+    block = torch.tensor(prompt[start:] + [mask_id] * (block_size - len(prompt) % block_size))
+    output = []
+    while True:
+        block = decode_block(start, committed, block)
+        for position, token in enumerate(block.tolist(), start=start):
+            if position < len(prompt):
+                continue
+            output.append(token)
+            if token in stop_token_ids or len(output) == max_tokens:
+                return output
+        committed += block.tolist()
+        start += block_size
+        block = torch.full((block_size,), mask_id)
+
+
 @torch.no_grad()
 def reference_focus_generate(model: ReferenceSDAR, prompt: list[int], *, block_size: int,
                              mask_id: int, max_tokens: int, config,
@@ -139,15 +179,12 @@ def reference_focus_generate(model: ReferenceSDAR, prompt: list[int], *, block_s
     w = model.weights
     steps_cap = config.denoising_steps or block_size
     quotas = transfer_quotas(block_size, steps_cap)
-    start = len(prompt) // block_size * block_size
-    committed = list(prompt[:start])
-    block = torch.tensor(prompt[start:] + [mask_id] * (block_size - len(prompt) % block_size))
-    output, decoded_steps, decoded_tokens = [], 0, 0
-    while True:
+    decoded_steps, decoded_tokens = 0, 0  # over the request (the across-blocks mean)
+
+    def decode_block(start, committed, block):
+        nonlocal decoded_steps, decoded_tokens
         prefix_k, prefix_v = prefix_kv(model, committed, block_size) if committed else (None, None)
-        store_k = [torch.zeros(block_size, model.num_kv_heads, model.head_dim)
-                   for _ in range(model.num_layers)]
-        store_v = [torch.zeros_like(k) for k in store_k]
+        store_k, store_v = block_stores(model, block_size)
         cache, ever_processed, step = NeighbourCache(block_size), [False] * block_size, 0
         while bool((block == mask_id).any()):
             masked = block == mask_id
@@ -184,11 +221,7 @@ def reference_focus_generate(model: ReferenceSDAR, prompt: list[int], *, block_s
                 visible = torch.ones(len(rows), keys.shape[0], dtype=torch.bool)
                 x = attend_and_mlp(model, x, q, keys, values, visible, layer)
             logits = rms_norm(x, w["model.norm.weight"], model.eps) @ w["lm_head.weight"].T
-            logits[:, mask_id] = float("-inf")
-            probs = logits.float().softmax(-1)
-            confidence = torch.full((block_size,), float("-inf"))
-            proposal = torch.full((block_size,), mask_id)
-            confidence[rows], proposal[rows] = probs.max(-1)
+            confidence, proposal = proposals(logits, rows, block_size, mask_id)
             eligible = torch.zeros(block_size, dtype=torch.bool)
             eligible[rows] = True
             quota = quotas[step] if step < steps_cap else block_size
@@ -201,12 +234,7 @@ def reference_focus_generate(model: ReferenceSDAR, prompt: list[int], *, block_s
             ever_processed = [e or bool(g) for e, g in zip(ever_processed, eligible)]
             decoded_steps, decoded_tokens, step = decoded_steps + 1, decoded_tokens + int(commit.sum()), step + 1
             assert step <= 64 * steps_cap
-        for position, token in enumerate(block.tolist(), start=start):
-            if position < len(prompt):
-                continue
-            output.append(token)
-            if token in stop_token_ids or len(output) == max_tokens:
-                return output
-        committed += block.tolist()
-        start += block_size
-        block = torch.full((block_size,), mask_id)
+        return block
+
+    return generate_by_blocks(prompt, block_size, mask_id, max_tokens, stop_token_ids,
+                              decode_block)

@@ -12,7 +12,9 @@ does (embedding, pre-norm residual layers, final norm), and calls the step's hoo
   added), which the hook reads; the rows the hook keeps continue.
 
 Dropped rows leave the step's attention metadata too (``BlockDiffusionMetadata``). The
-step rows of the returned hidden states are left in ``StackRun.rows``.
+step rows of the returned hidden states are left in ``StackRun.rows``, the block rows
+each layer computed in ``StackRun.layer_block_rows``. Without a ``StackRun`` (a step with
+no hooks) the stack is plain layers, which vLLM may compile.
 """
 
 from __future__ import annotations
@@ -35,12 +37,10 @@ _NO_HOOKS = LayerHooks()
 class StackRun:
     """One forward of a diffusion step: its hooks in, its surviving rows out."""
 
-    hooks: StepHooks | None
-    # [T] bool (host): the step's block rows; with hooks, ``layer_block_rows`` counts them
-    # per layer (without hooks every layer computes all of them, and nothing is counted)
-    block_rows: torch.Tensor | None = None
+    hooks: StepHooks
+    block_rows: torch.Tensor  # [T] bool (host): the step's block rows
     rows: torch.Tensor | None = None  # [T'] step rows of the output hidden states (host)
-    layer_block_rows: list[int] = dataclasses.field(default_factory=list)
+    layer_block_rows: list[int] = dataclasses.field(default_factory=list)  # per layer
 
 
 def _step_metadata(model: nn.Module):
@@ -65,8 +65,7 @@ def run_decoder_stack(model: nn.Module, input_ids: torch.Tensor, positions: torc
     hidden = model.embed_input_ids(input_ids)
     residual = None
     rows = torch.arange(hidden.shape[0]) if hooks is not None else None
-    counting = hooks is not None and run.block_rows is not None
-    block_count = int(run.block_rows.sum()) if counting else 0
+    block_count = int(run.block_rows.sum()) if hooks is not None else 0
     for index, layer in enumerate(islice(model.layers, model.start_layer, model.end_layer),
                                   start=model.start_layer):
         if residual is None:
@@ -94,8 +93,8 @@ def run_decoder_stack(model: nn.Module, input_ids: torch.Tensor, positions: torc
             residual, _ = compaction_kernel(residual.device)(residual, None, device_rows)
             positions = positions[..., device_rows]
             rows = rows[keep_rows]
-            block_count = int(run.block_rows[rows].sum()) if counting else 0
-        if counting:
+            block_count = int(run.block_rows[rows].sum())
+        if hooks is not None:
             run.layer_block_rows.append(block_count)
         hidden = attention.attend(q, k, v)
         if selection is not None:
@@ -109,7 +108,7 @@ def run_decoder_stack(model: nn.Module, input_ids: torch.Tensor, positions: torc
             if selection is not None:
                 hidden, residual, positions, rows = _drop_rows(
                     selection, metadata, hidden, residual, positions, rows)
-                block_count = int(run.block_rows[rows].sum()) if counting else 0
+                block_count = int(run.block_rows[rows].sum())
     hidden, _ = model.norm(hidden, residual)
     if run is not None:
         run.rows = rows

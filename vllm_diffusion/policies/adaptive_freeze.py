@@ -132,10 +132,9 @@ class AdaptiveFreezePolicy(DecodingPolicy):
 
     def choose_commits(self, batch: CommitBatch) -> torch.Tensor:
         states = [r.policy_state for r in batch.requests]
-        lengths = {s.history.shape[1] for s in states}
-        groups = ([list(range(len(states)))] if len(lengths) == 1 else
-                  [[i for i, s in enumerate(states) if s.history.shape[1] == h]
-                   for h in sorted(lengths)])  # one batch per history length
+        lengths = sorted({s.history.shape[1] for s in states})
+        groups = [[i for i, s in enumerate(states) if s.history.shape[1] == h]
+                  for h in lengths]  # one batch per history length
         commits = torch.zeros_like(batch.masked)
         histories: list[torch.Tensor | None] = [None] * len(states)
         for group in groups:

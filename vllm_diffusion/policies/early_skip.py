@@ -104,10 +104,6 @@ class EarlySkipState:
             self.hidden = {}
 
 
-def keep_count(skip_ratio: float, entering: int) -> int:
-    return max(1, math.floor((1.0 - skip_ratio) * entering))
-
-
 def variation(hidden: torch.Tensor, previous: torch.Tensor,
               segment: torch.Tensor, num_segments: int) -> torch.Tensor:
     """[n] Eq. 1's variation term of n positions of ``num_segments`` blocks (``segment``:
@@ -129,7 +125,8 @@ def first_by_segment(score: torch.Tensor, segment: torch.Tensor) -> torch.Tensor
 
 class EarlySkipHooks(StepHooks):
     """The step's skipping, over every block at once: at each skip layer the entries are
-    the positions still in the forward, flat over the blocks (``segment``: their block)."""
+    the positions still in the forward, flat over the blocks (``segment``: their block).
+    Made only for steps with at least one block."""
 
     def __init__(self, step: ForwardStep, skip_layers: tuple[int, ...],
                  mask_token_id: int) -> None:
@@ -138,51 +135,53 @@ class EarlySkipHooks(StepHooks):
         self.states = [s.request.policy_state for s in self.requests]
         configs = [s.request.policy_config for s in self.requests]
         self.alpha = torch.tensor([c.alpha for c in configs])
-        self.skip_ratio = [c.skip_ratio for c in configs]
+        self.keep_share = torch.tensor([1.0 - c.skip_ratio for c in configs],
+                                       dtype=torch.float64)
         self.skipping = torch.tensor([not state.full_step for state in self.states])
-        # [R, B] (host): positions masked, and each position's confidence at its last step
-        self.masked = torch.stack([s.request.canvas.masked(mask_token_id)
-                                   for s in self.requests]) if self.requests else None
-        self.confidence = torch.stack([state.confidence for state in self.states]
-                                      ) if self.requests else None
+        if bool(self.skipping.any()):
+            # [R, B] (host): positions masked, and each one's confidence at its last step
+            self.masked = torch.stack([s.request.canvas.masked(mask_token_id)
+                                       for s in self.requests])
+            self.confidence = torch.stack([state.confidence for state in self.states])
         # Per block, its computed positions still in the forward (indices into them).
         self.alive = [torch.arange(len(s.block_positions)) for s in self.requests]
 
     def after_output(self, layer_input: LayerInput) -> RowSelection | None:
-        if not self.requests:
-            return None
         layer, hidden = layer_input.layer, layer_input.hidden
         device, count = hidden.device, len(self.requests)
-        sizes = torch.tensor([len(a) for a in self.alive])
+        block_positions = [s.block_positions[a] for s, a in zip(self.requests, self.alive)]
+        sizes = torch.tensor([len(p) for p in block_positions])
         segment = torch.repeat_interleave(torch.arange(count), sizes)  # [n]
-        positions = torch.cat([s.block_positions[a] for s, a in zip(self.requests, self.alive)])
+        positions = torch.cat(block_positions)
         step_rows = torch.cat([s.block_rows[a] for s, a in zip(self.requests, self.alive)])
-        current = layer_input.current_rows(step_rows).to(device)
-        output = hidden[current].float()  # [n, d]
-        caches = torch.stack([state.hidden.get(layer, output.new_zeros(
-            state.block_size, output.shape[1])) for state in self.states])  # [R, B, d]
-        device_segment, device_positions = segment.to(device), positions.to(device)
-        previous = caches[device_segment, device_positions]
-        caches[device_segment, device_positions] = output
-        for state, cache in zip(self.states, caches):
-            state.hidden[layer] = cache
+        output = hidden[layer_input.current_rows(step_rows).to(device)].float()  # [n, d]
+        # Each block's previous outputs of this layer, then its cache updated in place.
+        previous = []
+        for state, where, rows in zip(self.states, block_positions,
+                                      output.split(sizes.tolist())):
+            cache = state.hidden.get(layer)
+            if cache is None:
+                cache = state.hidden[layer] = rows.new_zeros(state.block_size, rows.shape[1])
+            where = where.to(device)
+            previous.append(cache[where])
+            cache[where] = rows
         if not bool(self.skipping.any()):
             return None
         confidence = self.confidence[segment, positions]  # [n] (host)
-        alpha = self.alpha[segment]
-        importance = (alpha.to(device) * confidence.to(device) + (1 - alpha.to(device))
-                      * variation(output, previous, device_segment, count)).cpu()
+        alpha = self.alpha[segment].to(device)
+        importance = (alpha * confidence.to(device) + (1 - alpha) * variation(
+            output, torch.cat(previous), segment.to(device), count)).cpu()
         # The most confident masked position of each block always continues.
         masked = self.masked[segment, positions]
         by_confidence = first_by_segment(torch.where(masked, confidence, -1.0), segment)
         starts = torch.cumsum(sizes, 0) - sizes
-        best = by_confidence[starts[sizes > 0]]
+        best = by_confidence[starts]  # every block keeps at least one position
         importance[best[masked[best]]] = float("inf")
         order = first_by_segment(importance, segment)
         rank = torch.empty_like(order)
         rank[order] = torch.arange(len(order)) - starts[segment[order]]
-        keep_counts = torch.tensor([keep_count(r, int(n))
-                                    for r, n in zip(self.skip_ratio, sizes)])
+        # floor((1 - skip_ratio) * n) continue, at least one
+        keep_counts = torch.floor(self.keep_share * sizes).long().clamp(min=1)
         continuing = (rank < keep_counts[segment]) | ~self.skipping[segment]
         if bool(continuing.all()):
             return None

@@ -52,6 +52,7 @@ def evaluate(llm: Any, examples: list, options: dict[str, Any], max_tokens: int)
     instructions = [ok for f in INSTRUCTION_FAMILIES for ok in correct.get(f, [])]
     return {
         "accuracy": accuracy,
+        "correct": {family: [sum(v), len(v)] for family, v in sorted(correct.items())},
         "instruction_accuracy": sum(instructions) / max(len(instructions), 1),
         "requests": len(prompts),
         "output_tokens": sum(len(o.outputs[0].token_ids) for o in outputs),
@@ -59,6 +60,7 @@ def evaluate(llm: Any, examples: list, options: dict[str, Any], max_tokens: int)
         "block_positions_per_committed_token": stats["block_positions_per_committed_token"],
         "later_layer_positions_per_committed_token":
             stats["later_layer_positions_per_committed_token"],
+        "layer_positions_per_committed_token": stats["layer_positions_per_committed_token"],
         "all_positions_per_committed_token": stats["all_positions_per_committed_token"],
         "denoising_steps_per_block": stats["denoising_steps_per_block"],
         "wall_time_s": round(wall, 3),

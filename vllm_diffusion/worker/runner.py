@@ -196,13 +196,15 @@ class DiffusionRunnerMixin:
             diffusion_block_size=self.diffusion.block_size)
         layer_names = [name for group in self.kv_cache_config.kv_cache_groups
                        for name in group.layer_names]
-        block_rows = torch.zeros(step.num_rows, dtype=torch.bool)
-        for s in step.requests:
-            if s.block_rows is not None:
-                block_rows[s.block_rows] = True
         # Steps without hooks run the model as vLLM built it (compiled unless eager);
         # steps with hooks run the decoder stack eagerly.
-        run = StackRun(hooks, block_rows) if hooks is not None else None
+        run = None
+        if hooks is not None:
+            block_rows = torch.zeros(step.num_rows, dtype=torch.bool)
+            for s in step.requests:
+                if s.block_rows is not None:
+                    block_rows[s.block_rows] = True
+            run = StackRun(hooks, block_rows)
         with set_forward_context({name: metadata for name in layer_names},
                                  self.vllm_config, num_tokens=len(positions),
                                  slot_mapping={}, skip_compiled=run is not None):
@@ -213,8 +215,9 @@ class DiffusionRunnerMixin:
                                            positions=positions, stack_run=run)
         stats = self.diffusion_stats
         stats.positions_computed += len(positions)
-        counts = ((run.layer_block_rows if run is not None else None)
-                  or [int(block_rows.sum())] * self.num_layers)
+        counts = (run.layer_block_rows if run is not None else
+                  [sum(len(s.block_rows) for s in step.requests if s.block_rows is not None)]
+                  * self.num_layers)
         per_layer = stats.block_positions_per_layer
         if len(per_layer) < len(counts):
             per_layer.extend([0] * (len(counts) - len(per_layer)))
