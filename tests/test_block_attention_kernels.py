@@ -93,36 +93,3 @@ def test_triton_kernel_matches_torch_reference(errors, name):
 if __name__ == "__main__":
     print(json.dumps(max_errors("cpu")))
 
-
-def random_key_mask(kv_lens, seed):
-    """Each request keeps a random subset of keys, always its own last key (so that no
-    query row is left with nothing to attend to)."""
-    gen = torch.Generator().manual_seed(seed)
-    mask = torch.rand(len(kv_lens), max(kv_lens), generator=gen) < 0.6
-    for r, n in enumerate(kv_lens):
-        mask[r, n - 1] = True
-    return mask
-
-
-@pytest.mark.parametrize("case", [c for c in GRID.values() if c[7] == torch.float32],
-                         ids=[n for n, c in GRID.items() if c[7] == torch.float32])
-def test_key_mask_in_both_torch_paths(case):
-    """A policy's key selection: the padded path equals the reference, and a masked key
-    contributes exactly nothing (changing its value leaves the output unchanged)."""
-    from vllm_diffusion.attention.block_attention import padded_block_causal_attention
-
-    args = make_case(*case, device="cpu")
-    mask = random_key_mask(args[4], seed=len(args[4]))
-    want = block_causal_attention(*args, mask)
-    torch.testing.assert_close(padded_block_causal_attention(*args, mask), want,
-                               rtol=1e-5, atol=1e-5)
-    query, kv_cache, positions, starts, kv_lens, table, block, scale = args
-    page = kv_cache.shape[2]
-    poisoned = kv_cache.clone()
-    for r, n in enumerate(kv_lens):
-        for k in torch.nonzero(~mask[r, :n]).flatten().tolist():
-            poisoned[table[r, k // page], :, k % page] = 1e3
-    torch.testing.assert_close(
-        block_causal_attention(query, poisoned, positions, starts, kv_lens, table, block,
-                               scale, mask), want, rtol=1e-5, atol=1e-5)
-    assert not torch.allclose(block_causal_attention(*args), want)  # the mask mattered

@@ -3,8 +3,8 @@
 A policy is a class registered in ``POLICIES``; these two exist only here:
 
 - ``keep-everything`` declares all three hook points at every layer, keeps every row and
-  every key (through the row-dropping and key-mask code paths): its greedy output must
-  equal ``standard``'s token for token;
+  every key (through the row-dropping and the prefix-sparse attention paths, keeping the
+  whole prefix): its greedy output must equal ``standard``'s token for token;
 - ``leftmost-only`` drops, after the last layer's output, every block row except the
   leftmost masked one: with the ``sequential`` strategy (which commits exactly the leftmost
   masked position) the output must again equal ``standard``'s, while only one block
@@ -22,6 +22,7 @@ from vllm import SamplingParams
 from vllm.inputs import TokensPrompt
 
 from vllm_diffusion import policies
+from vllm_diffusion.attention.sparse_prefix import PrefixSparsity
 from vllm_diffusion.offline import stats_delta
 from vllm_diffusion.policies.base import LayerHooks, RowSelection, StepHooks
 from vllm_diffusion.policies.standard import StandardPolicy
@@ -49,9 +50,17 @@ class KeepEverythingHooks(StepHooks):
         return RowSelection(torch.ones(len(layer_input.rows), dtype=torch.bool))
 
     def select_keys(self, layer_input):
+        """Every request with a block keeps its whole prefix (the sparse attention path)."""
         self.calls.append(("select_keys", layer_input.layer))
-        kv_len = max(s.rows.stop for s in self.step.requests) + 64
-        return torch.ones(len(self.step.requests), kv_len, dtype=torch.bool)
+        requests = self.step.requests
+        sparse = [i for i, s in enumerate(requests) if s.request is not None]
+        prefix_lens = [0 if s.request is None else s.request.canvas.start for s in requests]
+        width = max([1] + prefix_lens)
+        kept = torch.arange(width).repeat(len(sparse), layer_input.key.shape[1], 1)
+        for row, i in enumerate(sparse):
+            kept[row, :, prefix_lens[i]:] = -1
+        block_rows = [0 if s.block_rows is None else len(s.block_rows) for s in requests]
+        return PrefixSparsity(block_rows, prefix_lens, sparse, kept, [])
 
 
 class KeepEverything(StandardPolicy):

@@ -153,7 +153,7 @@ def test_batched_commit_choice_matches_the_per_block_reference(name):
 
 # ---------------------------------------------------------------- registry
 def test_registry_and_interface():
-    assert set(POLICIES) == {"standard", "focus", "elastic", "es", "ada"}
+    assert set(POLICIES) == {"standard", "focus", "elastic", "es", "ada", "sparse_prefix"}
     for name, cls in POLICIES.items():
         assert issubclass(cls, DecodingPolicy) and cls.name == name
     three_layers, four_layers = (types.SimpleNamespace(num_hidden_layers=n) for n in (3, 4))

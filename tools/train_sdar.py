@@ -48,13 +48,14 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from safetensors.torch import save_file
-from transformers import PreTrainedTokenizerBase, Qwen3ForCausalLM
+from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast, Qwen3ForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from sample_sdar import block_causal_mask, evaluate, qwen3_config_from_sdar  # noqa: E402
 from train_tokenizer import ENDOFTEXT, IM_END, IM_START, MASK, build_tokenizer  # noqa: E402
-from vllm_diffusion.quality.corpus import eval_examples, train_examples  # noqa: E402
+from vllm_diffusion.quality.corpus import eval_examples, is_eval_problem, train_examples  # noqa: E402
+from vllm_diffusion.quality.retrieval import retrieval_examples, retrieval_problem  # noqa: E402
 
 DEFAULT_OUT = Path(__file__).resolve().parents[1] / "vllm_diffusion/checkpoints/sdar-tiny-chat"
 # 1 and 2 add dense, nearly autoregressive targets (every response token masked).
@@ -99,14 +100,39 @@ class TrainConfig:
     ar_minutes: float = 0.0  # autoregressive warm start before block-diffusion training
     block_sizes: tuple[int, ...] = BLOCK_SIZES  # drawn uniformly per batch
     ar_max_steps: int | None = None
+    # Long-prompt retrieval (quality/retrieval.py): the share of steps that train on it, the
+    # passage length range in words, and the token budget of one such batch.
+    retrieval_fraction: float = 0.0
+    retrieval_words: tuple[int, int] = (50, 3000)
+    retrieval_batch_tokens: int = 8192
 
 
 # ------------------------------------------------------------------- data
+def chat_prompt(prompt: str) -> str:
+    return f"{IM_START}user\n{prompt}{IM_END}\n{IM_START}assistant\n"
+
+
+def retrieval_batches(tokenizer: PreTrainedTokenizerBase, config: TrainConfig, rng: random.Random):
+    """Endless batches of training-split retrieval problems, each batch filling
+    ``retrieval_batch_tokens`` (at least one problem)."""
+    while True:
+        items, tokens = [], 0
+        while not items or tokens < config.retrieval_batch_tokens:
+            prompt, answer = retrieval_problem(rng, rng.randint(*config.retrieval_words))
+            if is_eval_problem("retrieval", answer):
+                continue
+            prompt_ids = tokenizer(chat_prompt(prompt), add_special_tokens=False)["input_ids"]
+            response_ids = tokenizer(answer + IM_END, add_special_tokens=False)["input_ids"]
+            items.append((prompt_ids, response_ids))
+            tokens += len(prompt_ids) + len(response_ids)
+        yield items
+
+
 def tokenize_corpus(tokenizer: PreTrainedTokenizerBase) -> list[tuple[list[int], list[int]]]:
     """(prompt ids, response ids ending in <|im_end|>) for every training example."""
     examples = train_examples()
     # Rendering the Jinja template 60k times is slow; format directly and check one against it.
-    prompts = [f"{IM_START}user\n{e.prompt}{IM_END}\n{IM_START}assistant\n" for e in examples]
+    prompts = [chat_prompt(e.prompt) for e in examples]
     reference = tokenizer.apply_chat_template([{"role": "user", "content": examples[0].prompt}],
                                               add_generation_prompt=True, tokenize=False)
     if prompts[0] != reference:
@@ -292,7 +318,10 @@ def train(config: TrainConfig, size: ModelSize) -> None:
     torch.manual_seed(config.seed)
     rng, generator = random.Random(config.seed), torch.Generator().manual_seed(config.seed)
     check_attention_mask()
-    tokenizer = build_tokenizer(train_examples())
+    if config.init is not None:  # the checkpoint's own tokenizer, whatever the corpus is now
+        tokenizer = PreTrainedTokenizerFast.from_pretrained(config.init)
+    else:
+        tokenizer = build_tokenizer(train_examples())
     data = tokenize_corpus(tokenizer)
     sdar = {**sdar_config(size, tokenizer), "torch_dtype": config.save_dtype}
     pad_id, mask_id = sdar["pad_token_id"], sdar["mask_token_id"]
@@ -306,7 +335,13 @@ def train(config: TrainConfig, size: ModelSize) -> None:
     num_params = sum(p.numel() for p in model.parameters())
     print(f"model: {num_params / 1e6:.2f}M parameters, {asdict(size)}; {len(data)} training examples")
     batch_iter = batches([len(p) + len(r) for p, r in data], config.batch_size, rng)
-    next_items = lambda: [data[i] for i in next(batch_iter)]  # noqa: E731
+    retrieval_iter = retrieval_batches(tokenizer, config, random.Random(config.seed + 1))
+
+    def next_items():
+        if rng.random() < config.retrieval_fraction:
+            return next(retrieval_iter)
+        return [data[i] for i in next(batch_iter)]
+
     save = functools.partial(save_checkpoint, model, tokenizer, sdar, config.out)
     if config.ar_minutes:
         print(f"autoregressive warm start: {config.ar_minutes} minutes")
@@ -322,7 +357,10 @@ def train(config: TrainConfig, size: ModelSize) -> None:
     print(f"saved checkpoint to {config.out}")
     model.cpu()  # the held-out check decodes on the CPU
     if config.eval_per_family:
-        accuracy = evaluate(model, tokenizer, eval_examples(config.eval_per_family), mask_id=mask_id,
+        held_out = eval_examples(config.eval_per_family)
+        if config.retrieval_fraction:
+            held_out += retrieval_examples(config.eval_per_family, 777, (100, 600))
+        accuracy = evaluate(model, tokenizer, held_out, mask_id=mask_id,
                             stop_ids=[sdar["eos_token_id"], pad_id], block_size=SERVING_BLOCK_SIZE, show=3)
         print(f"held-out accuracy, greedy, block {SERVING_BLOCK_SIZE}: "
               + ", ".join(f"{family} {value:.2f}" for family, value in accuracy.items()))
@@ -401,6 +439,11 @@ def main() -> None:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--save-dtype", choices=("float32", "bfloat16", "float16"),
                         default="float32", help="dtype of the saved weights")
+    parser.add_argument("--retrieval-fraction", type=float, default=0.0,
+                        help="share of steps on long-prompt retrieval batches")
+    parser.add_argument("--retrieval-words", type=int, nargs=2, default=list(TrainConfig.retrieval_words),
+                        metavar=("MIN", "MAX"), help="retrieval passage length range in words")
+    parser.add_argument("--retrieval-batch-tokens", type=int, default=TrainConfig.retrieval_batch_tokens)
     for field, default in asdict(ModelSize()).items():
         parser.add_argument(f"--{field.replace('_', '-')}", type=type(default), default=None,
                             help=f"default {default}, or the --init checkpoint's")
@@ -411,7 +454,9 @@ def main() -> None:
                          eval_per_family=args.eval_per_family, init=args.init,
                          ar_minutes=args.ar_minutes, ar_max_steps=args.ar_max_steps,
                          block_sizes=tuple(args.block_sizes), device=args.device,
-                         save_dtype=args.save_dtype)
+                         save_dtype=args.save_dtype, retrieval_fraction=args.retrieval_fraction,
+                         retrieval_words=tuple(args.retrieval_words),
+                         retrieval_batch_tokens=args.retrieval_batch_tokens)
     train(config, size)
 
 

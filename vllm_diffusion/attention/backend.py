@@ -7,7 +7,8 @@ the Triton kernel on CUDA, the vectorised torch version elsewhere; both have the
 of the torch reference (``block_attention.block_causal_attention``) and are tested
 against it. The decoder stack may drop query rows at a layer (``keep_queries``: that
 layer still stores every row's keys/values) and then key rows (``keep_keys``), and may
-restrict each request's visible keys for one layer (``key_mask``).
+restrict, for one layer, the prefix keys that requests' block rows see
+(``prefix_sparsity``: kept-index lists, ``sparse_prefix``).
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ from typing import ClassVar
 
 import torch
 
+from vllm.distributed import (get_tensor_model_parallel_world_size,
+                              tensor_model_parallel_all_reduce)
 from vllm.v1.attention.backend import (
     AttentionBackend,
     AttentionImpl,
@@ -27,6 +30,9 @@ from vllm.v1.attention.backend import (
 
 from vllm_diffusion.attention import block_attention
 from vllm_diffusion.attention.block_attention import write_kv
+from vllm_diffusion.attention.sparse_prefix import (PrefixSparsity,
+                                                    attend_with_prefix_sparsity,
+                                                    gathered_sparse_prefix_attention)
 
 
 @dataclass
@@ -38,8 +44,8 @@ class BlockDiffusionMetadata:
     query_start_loc: list[int]  # R + 1 row offsets per request (host)
     kv_lens: list[int]  # R: keys [0, kv_len) are visible to request r (host)
     diffusion_block_size: int
-    # [R, max kv_len] bool: keys each request may see at the current layer (None: all)
-    key_mask: torch.Tensor | None = None
+    # the current layer's kept prefix positions per request (None: dense attention)
+    prefix_sparsity: PrefixSparsity | None = None
 
     def keep_queries(self, keep: torch.Tensor, kv_lens: dict[int, int]) -> None:
         """Keep the query rows where ``keep`` ([T] bool, host) is set, and give the named
@@ -68,6 +74,15 @@ def attention_kernel(device: torch.device):
 
         return triton_block_attention.block_causal_attention
     return block_attention.padded_block_causal_attention
+
+
+def sparse_prefix_kernel(device: torch.device):
+    """The prefix-sparse attention implementation for tensors on ``device``."""
+    if device.type == "cuda":
+        from vllm_diffusion.attention import triton_sparse_prefix
+
+        return triton_sparse_prefix.sparse_prefix_attention
+    return gathered_sparse_prefix_attention
 
 
 class BlockDiffusionAttentionBackend(AttentionBackend):
@@ -141,7 +156,15 @@ class BlockDiffusionAttentionImpl(AttentionImpl[BlockDiffusionMetadata]):
         md = attn_metadata
         n, n_kv = md.num_actual_tokens, len(md.slot_mapping)
         write_kv(kv_cache, key[:n_kv], value[:n_kv], md.slot_mapping)
-        output[:n] = attention_kernel(query.device)(
-            query[:n], kv_cache, md.query_positions, md.query_start_loc, md.kv_lens,
-            md.block_table, md.diffusion_block_size, self.scale, md.key_mask)
+        dense = attention_kernel(query.device)
+        if md.prefix_sparsity is None:
+            output[:n] = dense(query[:n], kv_cache, md.query_positions, md.query_start_loc,
+                               md.kv_lens, md.block_table, md.diffusion_block_size, self.scale)
+            return output
+        tp_size = get_tensor_model_parallel_world_size()
+        output[:n] = attend_with_prefix_sparsity(
+            query[:n], kv_cache, md, md.prefix_sparsity, self.scale, dense,
+            sparse_prefix_kernel(query.device),
+            sum_heads=tensor_model_parallel_all_reduce if tp_size > 1 else None,
+            total_heads=self.num_heads * tp_size)
         return output

@@ -5,9 +5,9 @@ Layout of one layer's cache (vLLM's logical per-layer view):
 
 Rule (SDAR, aligned to absolute position 0): a query at position q attends to the key at
 position k iff ``k < kv_len`` of its request and ``k // B <= q // B`` (bidirectional inside
-a diffusion block of size B, causal across blocks), and, when a ``key_mask`` is given
-(a policy's key selection), ``key_mask[request, k]``. Requests are ragged: each brings its
-own number of query positions, at arbitrary positions.
+a diffusion block of size B, causal across blocks). Requests are ragged: each brings its
+own number of query positions, at arbitrary positions. (Attention over a selection of the
+prefix keys is ``sparse_prefix``.)
 
 A Triton kernel for CUDA must keep these signatures; tests compare it with these functions.
 """
@@ -49,8 +49,7 @@ def gather_kv(kv_cache: torch.Tensor, page_ids: torch.Tensor,
 def block_causal_attention(query: torch.Tensor, kv_cache: torch.Tensor,
                            query_positions: torch.Tensor, query_start_loc: list[int],
                            kv_lens: list[int], block_table: torch.Tensor,
-                           diffusion_block_size: int, scale: float,
-                           key_mask: torch.Tensor | None = None) -> torch.Tensor:
+                           diffusion_block_size: int, scale: float) -> torch.Tensor:
     """Attention of ragged query rows over each request's paged keys/values.
 
     query:           [T, num_heads, head_size]
@@ -58,7 +57,6 @@ def block_causal_attention(query: torch.Tensor, kv_cache: torch.Tensor,
     query_start_loc: R + 1 offsets of each request's rows in ``query``
     kv_lens:         R key counts: request r attends to key positions [0, kv_lens[r])
     block_table:     [R, max_pages] page ids of each request
-    key_mask:        [R, >= max(kv_lens)] bool, keys each request may see (None: all)
     Returns [T, num_heads, head_size].
     """
     num_heads = query.shape[1]
@@ -74,8 +72,6 @@ def block_causal_attention(query: torch.Tensor, kv_cache: torch.Tensor,
         q_block = query_positions[start:end, None] // diffusion_block_size
         k_block = torch.arange(kv_lens[r], device=query.device) // diffusion_block_size
         visible = k_block[None, :] <= q_block  # [n, L]
-        if key_mask is not None:
-            visible = visible & key_mask[r, None, :kv_lens[r]].to(query.device)
         out = torch.nn.functional.scaled_dot_product_attention(
             query[start:end].transpose(0, 1), keys.transpose(0, 1),
             values.transpose(0, 1), attn_mask=visible, scale=scale)
@@ -86,8 +82,7 @@ def block_causal_attention(query: torch.Tensor, kv_cache: torch.Tensor,
 def padded_block_causal_attention(query: torch.Tensor, kv_cache: torch.Tensor,
                                   query_positions: torch.Tensor, query_start_loc: list[int],
                                   kv_lens: list[int], block_table: torch.Tensor,
-                                  diffusion_block_size: int, scale: float,
-                                  key_mask: torch.Tensor | None = None) -> torch.Tensor:
+                                  diffusion_block_size: int, scale: float) -> torch.Tensor:
     """``block_causal_attention`` vectorised over requests (the CPU fast path).
 
     Requests are padded to the longest query run and key length and attended in one
@@ -121,8 +116,6 @@ def padded_block_causal_attention(query: torch.Tensor, kv_cache: torch.Tensor,
     lens = torch.tensor(kv_lens, device=device)
     visible = ((key_positions[None, None, :] // diffusion_block_size <= row_block[:, :, None])
                & (key_positions[None, None, :] < lens[:, None, None]))  # [R, Q, K]
-    if key_mask is not None:
-        visible &= key_mask[:, None, :max_keys].to(device)
     visible |= (row_block < 0)[:, :, None]  # padding rows: attend to anything (discarded)
     out = torch.nn.functional.scaled_dot_product_attention(
         padded_query.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),

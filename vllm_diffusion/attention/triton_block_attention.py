@@ -14,6 +14,48 @@ import triton.language as tl
 
 
 @triton.jit
+def accumulate_tile(query, kv_ptr, page, slot, key_ok, kv_head, dims, dim_ok, stride_kv_page,
+                    stride_kv_head, stride_kv_slot, stride_kv_c, head_size, scale,
+                    running_max, running_sum, acc):
+    """One tile of keys (``page``/``slot`` per key, ``key_ok`` where visible) folded into
+    the online softmax state (running max, running sum, weighted values)."""
+    base = page * stride_kv_page + kv_head * stride_kv_head + slot * stride_kv_slot
+    tile_mask = key_ok[:, None] & dim_ok[None, :]
+    keys = tl.load(kv_ptr + base[:, None] + dims[None, :] * stride_kv_c,
+                   mask=tile_mask, other=0.0).to(tl.float32)
+    values = tl.load(kv_ptr + base[:, None] + (dims[None, :] + head_size) * stride_kv_c,
+                     mask=tile_mask, other=0.0).to(tl.float32)
+    scores = tl.sum(keys * query[None, :], axis=1) * scale
+    scores = tl.where(key_ok, scores, float("-inf"))
+    new_max = tl.maximum(running_max, tl.max(scores, axis=0))
+    # A tile with no visible key leaves the state unchanged (and avoids -inf - -inf).
+    safe_max = tl.where(new_max == float("-inf"), 0.0, new_max)
+    weights = tl.exp(scores - safe_max)
+    correction = tl.exp(running_max - safe_max)
+    running_sum = running_sum * correction + tl.sum(weights, axis=0)
+    acc = acc * correction + tl.sum(weights[:, None] * values, axis=0)
+    return new_max, running_sum, acc
+
+
+@triton.jit
+def accumulate_key_range(query, kv_ptr, table, first, end, kv_head, dims, dim_ok,
+                         stride_kv_page, stride_kv_head, stride_kv_slot, stride_kv_c,
+                         head_size, scale, page_size, running_max, running_sum, acc,
+                         BLOCK_N: tl.constexpr):
+    """Keys at positions [first, end) of a request (``table``: its page ids) folded into
+    the online softmax state, BLOCK_N at a time."""
+    for start in range(first, end, BLOCK_N):
+        key_positions = start + tl.arange(0, BLOCK_N)
+        key_ok = key_positions < end
+        page = tl.load(table + key_positions // page_size, mask=key_ok, other=0)
+        running_max, running_sum, acc = accumulate_tile(
+            query, kv_ptr, page, key_positions % page_size, key_ok, kv_head, dims, dim_ok,
+            stride_kv_page, stride_kv_head, stride_kv_slot, stride_kv_c, head_size, scale,
+            running_max, running_sum, acc)
+    return running_max, running_sum, acc
+
+
+@triton.jit
 def _block_causal_attention_kernel(
     query_ptr, kv_ptr, out_ptr, query_positions_ptr, row_request_ptr, kv_lens_ptr,
     block_table_ptr,
@@ -39,26 +81,10 @@ def _block_causal_attention_kernel(
     running_max = tl.full((), float("-inf"), tl.float32)
     running_sum = tl.full((), 0.0, tl.float32)
     acc = tl.zeros((BLOCK_D,), tl.float32)
-    for start in range(0, visible, BLOCK_N):
-        key_positions = start + tl.arange(0, BLOCK_N)
-        key_ok = key_positions < visible
-        page = tl.load(block_table_ptr + request * stride_table_row + key_positions // page_size,
-                       mask=key_ok, other=0)
-        base = (page * stride_kv_page + kv_head * stride_kv_head
-                + (key_positions % page_size) * stride_kv_slot)
-        tile_mask = key_ok[:, None] & dim_ok[None, :]
-        keys = tl.load(kv_ptr + base[:, None] + dims[None, :] * stride_kv_c,
-                       mask=tile_mask, other=0.0).to(tl.float32)
-        values = tl.load(kv_ptr + base[:, None] + (dims[None, :] + head_size) * stride_kv_c,
-                         mask=tile_mask, other=0.0).to(tl.float32)
-        scores = tl.sum(keys * query[None, :], axis=1) * scale
-        scores = tl.where(key_ok, scores, float("-inf"))
-        new_max = tl.maximum(running_max, tl.max(scores, axis=0))
-        weights = tl.exp(scores - new_max)
-        correction = tl.exp(running_max - new_max)
-        running_sum = running_sum * correction + tl.sum(weights, axis=0)
-        acc = acc * correction + tl.sum(weights[:, None] * values, axis=0)
-        running_max = new_max
+    running_max, running_sum, acc = accumulate_key_range(
+        query, kv_ptr, block_table_ptr + request * stride_table_row, 0, visible, kv_head,
+        dims, dim_ok, stride_kv_page, stride_kv_head, stride_kv_slot, stride_kv_c, head_size,
+        scale, page_size, running_max, running_sum, acc, BLOCK_N)
     out = acc / running_sum
     tl.store(out_ptr + row * stride_o_row + head * stride_o_head + dims,
              out.to(out_ptr.dtype.element_ty), mask=dim_ok)
@@ -67,14 +93,8 @@ def _block_causal_attention_kernel(
 def block_causal_attention(query: torch.Tensor, kv_cache: torch.Tensor,
                            query_positions: torch.Tensor, query_start_loc: list[int],
                            kv_lens: list[int], block_table: torch.Tensor,
-                           diffusion_block_size: int, scale: float,
-                           key_mask: torch.Tensor | None = None) -> torch.Tensor:
-    """See ``block_attention.block_causal_attention``; shapes and semantics are identical,
-    except that a key mask (a policy's key selection) is not supported yet."""
-    if key_mask is not None:
-        raise NotImplementedError(
-            "the Triton block-attention kernel does not take a key mask yet; a policy that "
-            "selects keys runs on the torch attention path only")
+                           diffusion_block_size: int, scale: float) -> torch.Tensor:
+    """See ``block_attention.block_causal_attention``; shapes and semantics are identical."""
     num_rows, num_heads, head_size = query.shape
     output = torch.empty_like(query)
     if num_rows == 0:

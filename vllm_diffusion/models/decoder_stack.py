@@ -7,7 +7,8 @@ does (embedding, pre-norm residual layers, final norm), and calls the step's hoo
 - ``before_attention``: after the layer's queries, keys and values are computed and
   before its attention. The attention still stores the keys/values of every row; only
   the rows the hook keeps are attended for and continue to later layers;
-- ``select_keys``: restricts, per request, the keys the layer's queries see;
+- ``select_keys``: the layer's prefix sparsity (which prefix keys each request's block
+  rows see, and which requests select them this step), handed to the attention;
 - ``after_output``: after the layer's output (the residual stream: attention and MLP
   added), which the hook reads; the rows the hook keeps continue.
 
@@ -82,7 +83,7 @@ def run_decoder_stack(model: nn.Module, input_ids: torch.Tensor, positions: torc
                 key=k.view(-1, attention.num_kv_heads, attention.head_dim),
                 scale=attention.scaling)
             if index in declared.select_keys:
-                metadata.key_mask = hooks.select_keys(layer_input)
+                metadata.prefix_sparsity = hooks.select_keys(layer_input)
             if index in declared.before_attention:
                 selection = hooks.before_attention(layer_input)
         if selection is not None:
@@ -100,7 +101,7 @@ def run_decoder_stack(model: nn.Module, input_ids: torch.Tensor, positions: torc
         if selection is not None:
             metadata.keep_keys(selection.keep)
         if metadata is not None:
-            metadata.key_mask = None
+            metadata.prefix_sparsity = None
         hidden, residual = layer.post_attention_layernorm(hidden, residual)
         hidden = layer.mlp(hidden)
         if index in declared.after_output:

@@ -9,10 +9,11 @@ from vllm_diffusion.policies.base import DecodingPolicy
 from vllm_diffusion.policies.early_skip import EarlySkipPolicy
 from vllm_diffusion.policies.elastic import ElasticPolicy
 from vllm_diffusion.policies.focus import FocusPolicy
+from vllm_diffusion.policies.sparse_prefix import SparsePrefixPolicy
 from vllm_diffusion.policies.standard import StandardPolicy
 
 POLICIES: dict[str, type[DecodingPolicy]] = {
     cls.name: cls for cls in (StandardPolicy, FocusPolicy, ElasticPolicy, EarlySkipPolicy,
-                              AdaptiveFreezePolicy)}
+                              AdaptiveFreezePolicy, SparsePrefixPolicy)}
 
 __all__ = ["POLICIES", "DecodingPolicy"]

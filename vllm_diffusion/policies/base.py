@@ -13,7 +13,8 @@ denoising step calls, in order (``begin_step`` first, with every scheduled reque
    layers it declares (``LayerHooks``) -- after a layer's keys/values are computed and
    before its attention (``before_attention``: may drop rows; their KV at that layer is
    still stored), after a layer's output (``after_output``: may drop rows), and inside
-   attention (``select_keys``: restricts the keys each request's queries see);
+   attention (``select_keys``: which committed-prefix keys each request's block rows see,
+   as kept-index lists, and which requests select them this step);
 3. ``choose_commits(batch)`` once for all requests: which masked positions to unmask;
 4. ``after_step(request, ...)`` per request, and ``on_block_complete(request)`` when its
    block has no masked position left.
@@ -27,6 +28,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from vllm_diffusion.attention.sparse_prefix import PrefixSparsity
 from vllm_diffusion.worker.request_state import DiffusionRequest
 
 
@@ -119,9 +121,8 @@ class StepHooks:
     def after_output(self, layer_input: LayerInput) -> RowSelection | None:
         return None
 
-    def select_keys(self, layer_input: LayerInput) -> list[torch.Tensor | None] | None:
-        """Per request: [kv_len] bool of the key positions its queries may see (None:
-        all). Only honoured where the attention kernel supports it."""
+    def select_keys(self, layer_input: LayerInput) -> PrefixSparsity | None:
+        """The layer's prefix sparsity (``attention.sparse_prefix``); None: dense."""
         return None
 
 

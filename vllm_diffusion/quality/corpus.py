@@ -228,6 +228,11 @@ def _filler(rng: random.Random) -> tuple[str, str]:
     return prompt, story
 
 
+def filler_story(rng: random.Random) -> str:
+    """A four-sentence filler story (the ``filler`` family's response)."""
+    return _filler(rng)[1]
+
+
 _GENERATORS: dict[str, Callable[[random.Random], tuple[str, str]]] = {
     "arithmetic": _arithmetic, "repeat": _repeat, "count": _count, "range": _range,
     "sort": _sort, "reverse": _reverse, "json": _json, "filler": _filler,
