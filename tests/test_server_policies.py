@@ -1,4 +1,4 @@
-"""``vllm serve --diffusion-policy es|ada`` on loopback: completions, streaming, the step
+"""``vllm serve --diffusion-policy es|ada|sparse_prefix`` on loopback: completions, streaming, the step
 map, per-request options and the diffusion metrics."""
 
 from __future__ import annotations
@@ -24,9 +24,13 @@ def layer_positions(url: str) -> dict[int, float]:
     return {int(layer): float(value) for layer, value in found}
 
 
-@pytest.mark.parametrize("policy,options", [("es", {"skip_ratio": 0.5, "alpha": 0.5}),
-                                            ("ada", {"capacity": 0.3})])
-def test_policy_serves_completions_stream_and_step_map(policy, options, tmp_path_factory):
+@pytest.mark.parametrize("policy,options,bad_option", [
+    ("es", {"skip_ratio": 0.5, "alpha": 0.5}, {"skip_ratio": 2.0}),
+    ("ada", {"capacity": 0.3}, {"capacity": 0}),
+    ("sparse_prefix", {"retention_ratio": 0.3, "strategy": "low_confidence_static"},
+     {"pool_kernel": 2})])
+def test_policy_serves_completions_stream_and_step_map(policy, options, bad_option,
+                                                       tmp_path_factory):
     checkpoint = build_tiny_sdar(tmp_path_factory.mktemp("sdar-4-layers"), num_layers=4, seed=3)
     log = tmp_path_factory.mktemp("server") / "serve.log"
     with vllm_server(checkpoint, "--diffusion-policy", policy,
@@ -45,10 +49,10 @@ def test_policy_serves_completions_stream_and_step_map(policy, options, tmp_path
             "model": model, "temperature": 0, "max_tokens": 12, "ignore_eos": True,
             "messages": [{"role": "user", "content": "Tell me about the river."}]})
         assert deltas
-        bad = requests.post(f"{url}/v1/completions", timeout=60, json={
-            **body, "vllm_xargs": {"skip_ratio": 2.0} if policy == "es" else {"capacity": 0}})
+        bad = requests.post(f"{url}/v1/completions", timeout=60,
+                            json={**body, "vllm_xargs": bad_option})
         assert bad.status_code == 400
-        assert ("skip_ratio" if policy == "es" else "capacity") in bad.text
+        assert next(iter(bad_option)) in bad.text
         positions = metric(url, "vllm:diffusion_num_canvas_positions_total")
         later = metric(url, "vllm:diffusion_num_positions_after_eviction_total")
         assert metric(url, "vllm:diffusion_num_committed_tokens_total") >= 32
@@ -56,5 +60,5 @@ def test_policy_serves_completions_stream_and_step_map(policy, options, tmp_path
         assert sorted(per_layer) == [0, 1, 2, 3] and per_layer[3] == later
         if policy == "es":  # positions skipped after layer 2 do not reach layer 3
             assert later < positions and per_layer[0] == per_layer[2] > per_layer[3]
-        else:  # ada computes fewer positions but drops none inside the forward
+        else:  # ada and sparse_prefix drop no position inside the forward
             assert later == positions and len(set(per_layer.values())) == 1

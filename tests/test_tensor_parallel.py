@@ -1,6 +1,7 @@
 """Tensor parallelism (2 ranks on CPU, gloo): vLLM shards the Qwen3 layers; FOCUS sums the
-importance of each rank's heads across ranks, so both ranks evict the same positions.
-Outputs equal the single-process references."""
+importance of each rank's heads across ranks, so both ranks evict the same positions, and
+sparse_prefix sums its prefix scores likewise. Outputs equal the single-process
+references."""
 
 from __future__ import annotations
 
@@ -50,3 +51,29 @@ def test_tensor_parallel_standard_and_focus_equal_references(dense_checkpoint, t
         assert list(focus.outputs[0].token_ids) == reference_focus_generate(
             reference, prompt, block_size=block_size, mask_id=mask_id, max_tokens=24,
             config=config)
+
+
+@pytest.mark.parametrize("per_kv_head", [False, True], ids=["shared", "per-kv-head"])
+def test_tensor_parallel_sparse_prefix_equals_reference(dense_checkpoint, two_cpu_ranks,
+                                                        per_kv_head):
+    """A shared kept list sums the scores of both ranks' heads; per-KV-head lists need no
+    exchange. Either way both ranks keep what one process keeps."""
+    from reference_sparse_prefix import reference_sparse_prefix_generate
+
+    block_size = 8
+    mask_id, stops, vocab_size = checkpoint_info(dense_checkpoint)
+    prompts = make_prompts(block_size, vocab_size, stops | {mask_id}, seed=44)
+    options = {"strategy": "low_confidence_static", "threshold": 0.9, "retention_ratio": 0.3,
+               "pool_kernel": 3, "delay_steps": 1, "per_kv_head": per_kv_head}
+    with diffusion_llm(dense_checkpoint, diffusion_block_size=block_size, max_model_len=256,
+                       max_num_seqs=4, tensor_parallel_size=2,
+                       distributed_executor_backend="mp",
+                       additional_config={"diffusion_policy": "sparse_prefix"}) as llm:
+        outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts],
+                               SamplingParams(temperature=0, max_tokens=24, ignore_eos=True,
+                                              extra_args=options), use_tqdm=False)
+    reference = ReferenceSDAR(dense_checkpoint)
+    for prompt, output in zip(prompts, outputs):
+        assert list(output.outputs[0].token_ids) == reference_sparse_prefix_generate(
+            reference, prompt, block_size=block_size, mask_id=mask_id, max_tokens=24,
+            **options)
