@@ -30,6 +30,9 @@ GRID = {
     "head-dim-80": ([(8, 8, 1)], [16], 8, 8, 2, 2, 80, torch.float32, False),
     "strided-cache": ([(4, 4, 1), (0, 8, 1)], [8, 8], 4, 8, 4, 2, 32, torch.float32, True),
     "bfloat16": ([(16, 8, 2)], [32], 16, 16, 4, 2, 64, torch.bfloat16, False),
+    # prefill chunks longer than LONG_QUERY_RUN next to blocks: attended in separate calls
+    "prefill-among-blocks": ([(0, 100, 1), (64, 16, 1), (0, 80, 1), (32, 8, 1)],
+                             [100, 80, 80, 40], 16, 16, 4, 2, 32, torch.float32, False),
 }
 
 

@@ -79,15 +79,45 @@ def block_causal_attention(query: torch.Tensor, kv_cache: torch.Tensor,
     return output
 
 
+# Query runs longer than this (prompt prefill chunks) are attended one request per call,
+# so that the other requests' short runs are not padded to their length.
+LONG_QUERY_RUN = 64
+
+
 def padded_block_causal_attention(query: torch.Tensor, kv_cache: torch.Tensor,
                                   query_positions: torch.Tensor, query_start_loc: list[int],
                                   kv_lens: list[int], block_table: torch.Tensor,
                                   diffusion_block_size: int, scale: float) -> torch.Tensor:
     """``block_causal_attention`` vectorised over requests (the CPU fast path).
 
-    Requests are padded to the longest query run and key length and attended in one
-    scaled-dot-product call: [R, H, max_queries, max_keys].
+    Requests with short query runs are padded to the longest of them and attended in one
+    scaled-dot-product call ([R, H, max_queries, max_keys]); each request with a long run
+    (over ``LONG_QUERY_RUN`` rows) is attended in its own call.
     """
+    counts = [b - a for a, b in zip(query_start_loc[:-1], query_start_loc[1:])]
+    long_runs = [r for r, n in enumerate(counts) if n > LONG_QUERY_RUN]
+    if not long_runs or len(long_runs) == len(counts) == 1:
+        return _padded_attention(query, kv_cache, query_positions, query_start_loc, kv_lens,
+                                 block_table, diffusion_block_size, scale)
+    short_runs = [r for r, n in enumerate(counts) if n <= LONG_QUERY_RUN]
+    output = torch.empty_like(query)
+    for group in [[r] for r in long_runs] + ([short_runs] if short_runs else []):
+        rows = torch.cat([torch.arange(query_start_loc[r], query_start_loc[r + 1])
+                          for r in group]).to(query.device)
+        loc = [0]
+        for r in group:
+            loc.append(loc[-1] + counts[r])
+        output[rows] = _padded_attention(
+            query[rows], kv_cache, query_positions[rows], loc, [kv_lens[r] for r in group],
+            block_table[torch.tensor(group, device=block_table.device)],
+            diffusion_block_size, scale)
+    return output
+
+
+def _padded_attention(query: torch.Tensor, kv_cache: torch.Tensor,
+                      query_positions: torch.Tensor, query_start_loc: list[int],
+                      kv_lens: list[int], block_table: torch.Tensor,
+                      diffusion_block_size: int, scale: float) -> torch.Tensor:
     num_requests = len(kv_lens)
     num_rows, num_heads, head_size = query.shape
     if num_rows == 0:
