@@ -77,3 +77,26 @@ def test_tensor_parallel_sparse_prefix_equals_reference(dense_checkpoint, two_cp
         assert list(output.outputs[0].token_ids) == reference_sparse_prefix_generate(
             reference, prompt, block_size=block_size, mask_id=mask_id, max_tokens=24,
             **options)
+
+
+def test_tensor_parallel_llada2_equals_reference(tmp_path, two_cpu_ranks):
+    """LLaDA2: vLLM shards the fused QKV, the dense layer and the experts; the router is
+    replicated. Output equals the single-process reference."""
+    from reference_llada2 import ReferenceLLaDA2
+    from test_llada2 import token_info
+
+    from vllm_diffusion.testing.tiny_llada2 import build_tiny_llada2
+
+    checkpoint = build_tiny_llada2(tmp_path / "llada2")
+    mask_id, stops, vocab_size = token_info(checkpoint)
+    prompts = make_prompts(8, vocab_size, stops | {mask_id}, seed=46)
+    options = {"strategy": "low_confidence_dynamic", "threshold": 0.7}
+    with diffusion_llm(checkpoint, diffusion_block_size=8, max_model_len=256, max_num_seqs=4,
+                       tensor_parallel_size=2, distributed_executor_backend="mp") as llm:
+        outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts],
+                               SamplingParams(temperature=0, max_tokens=19, ignore_eos=True,
+                                              extra_args=options), use_tqdm=False)
+    reference = ReferenceLLaDA2(checkpoint)
+    for prompt, output in zip(prompts, outputs):
+        assert list(output.outputs[0].token_ids) == reference_generate(
+            reference, prompt, block_size=8, mask_id=mask_id, max_tokens=19, **options)

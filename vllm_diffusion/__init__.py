@@ -10,6 +10,7 @@ __version__ = "0.1.0"
 ARCHITECTURES = {
     "SDARForCausalLM": "vllm_diffusion.models.sdar:SDARForCausalLM",
     "SDARMoeForCausalLM": "vllm_diffusion.models.sdar:SDARMoeForCausalLM",
+    "LLaDA2MoeModelLM": "vllm_diffusion.models.llada2:LLaDA2MoeModelLM",
 }
 
 _registered = False

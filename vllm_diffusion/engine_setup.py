@@ -23,6 +23,12 @@ CPU_WORKER_CLS = "vllm_diffusion.worker.cpu_worker.DiffusionCPUWorker"
 GPU_WORKER_CLS = "vllm_diffusion.worker.gpu_worker.DiffusionGPUWorker"
 
 
+# The mask token's text in checkpoints whose tokenizer does not name a mask_token.
+MASK_TOKEN_TEXTS = ("<|mask|>",)
+# Block sizes of model families whose configs carry none (SDAR's is in its config).
+MODEL_TYPE_BLOCK_SIZES = {"llada2_moe": 32}
+
+
 def _tokenizer_mask_token_id(model_config: Any) -> int | None:
     from transformers import AutoTokenizer
 
@@ -32,7 +38,10 @@ def _tokenizer_mask_token_id(model_config: Any) -> int | None:
             trust_remote_code=model_config.trust_remote_code)
     except Exception:  # noqa: BLE001 - a missing tokenizer is reported as "no mask token"
         return None
-    return getattr(tokenizer, "mask_token_id", None)
+    if getattr(tokenizer, "mask_token_id", None) is not None:
+        return tokenizer.mask_token_id
+    vocab = tokenizer.get_vocab()
+    return next((vocab[text] for text in MASK_TOKEN_TEXTS if text in vocab), None)
 
 
 class DiffusionModelConfigHook(VerifyAndUpdateConfig):
@@ -47,7 +56,8 @@ class DiffusionModelConfigHook(VerifyAndUpdateConfig):
             mask_token_id = _tokenizer_mask_token_id(model_config)
         config = parse_engine_options(
             vllm_config.additional_config or {},
-            config_block_size=getattr(hf_config, "block_size", None),
+            config_block_size=(getattr(hf_config, "block_size", None)
+                               or MODEL_TYPE_BLOCK_SIZES.get(hf_config.model_type)),
             config_mask_token_id=mask_token_id,
             vocab_size=model_config.get_vocab_size(),
         )

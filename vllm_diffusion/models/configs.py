@@ -1,10 +1,11 @@
-"""Hugging Face configuration classes for SDAR checkpoints.
+"""Hugging Face configuration classes for SDAR and LLaDA2 checkpoints.
 
 SDAR is Qwen3 (and SDAR-MoE is Qwen3-MoE) with a block-diffusion mask and a mask token;
-registering these lets ``model_type: sdar`` / ``sdar_moe`` load without remote code.
+LLaDA2 is the Ling-2.0 (BailingMoeV2) architecture with one. Registering these lets
+``model_type: sdar`` / ``sdar_moe`` / ``llada2_moe`` load without remote code.
 """
 
-from transformers import Qwen3Config, Qwen3MoeConfig
+from transformers import PretrainedConfig, Qwen3Config, Qwen3MoeConfig
 
 
 class SDARConfig(Qwen3Config):
@@ -33,8 +34,79 @@ class SDARMoeConfig(Qwen3MoeConfig):
         return self.num_local_experts
 
 
+class LLaDA2MoeConfig(PretrainedConfig):
+    """The published ``configuration_llada2_moe.py`` fields and defaults (``use_qk_norm``
+    True, as the published forward always normalises q/k), plus the router fields the
+    published checkpoints carry as extra keys and the diffusion ones (``block_size``,
+    ``mask_token_id``: None unless the checkpoint names them; real ones carry neither)."""
+
+    model_type = "llada2_moe"
+    keys_to_ignore_at_inference = ["past_key_values"]
+
+    def __init__(self, vocab_size=30592, hidden_size=1024, intermediate_size=None,
+                 num_hidden_layers=24, num_attention_heads=16, num_key_value_heads=0,
+                 hidden_act="silu", use_qkv_bias=False, use_qk_norm=True, use_bias=True,
+                 rms_norm_eps=1e-05, norm_head=False, tie_word_embeddings=False,
+                 embedding_dropout=0.1, attention_dropout=0.1, output_dropout=0.1,
+                 initializer_range=0.02, max_position_embeddings=16384, rope_theta=10000.0,
+                 use_cache=True, use_sliding_window=False, sliding_window=4096,
+                 max_window_layers=28, rope_scaling=None, pad_token_id=126081, num_experts=16,
+                 num_shared_experts=0, num_experts_per_tok=2, n_group=8, topk_group=4,
+                 routed_scaling_factor=2.5, moe_intermediate_size=None,
+                 first_k_dense_replace=0, head_dim=None, output_router_logits=False,
+                 partial_rotary_factor=0.5, rotary_dim=None, norm_topk_prob=True,
+                 score_function="sigmoid", router_dtype="fp32",
+                 moe_router_enable_expert_bias=True, block_size=None, mask_token_id=None,
+                 **kwargs):
+        self.vocab_size = vocab_size
+        self.hidden_size = hidden_size
+        self.intermediate_size = intermediate_size
+        self.num_hidden_layers = num_hidden_layers
+        self.num_attention_heads = num_attention_heads
+        self.num_key_value_heads = num_key_value_heads
+        self.hidden_act = hidden_act
+        self.use_qkv_bias = use_qkv_bias
+        self.use_qk_norm = use_qk_norm
+        self.use_bias = use_bias
+        self.rms_norm_eps = rms_norm_eps
+        self.norm_head = norm_head
+        self.embedding_dropout = embedding_dropout
+        self.attention_dropout = attention_dropout
+        self.output_dropout = output_dropout
+        self.initializer_range = initializer_range
+        self.max_position_embeddings = max_position_embeddings
+        self.rope_theta = rope_theta
+        self.use_cache = use_cache
+        self.use_sliding_window = use_sliding_window
+        # Off unless enabled, as Qwen2's config does (vLLM reads ``sliding_window``).
+        self.sliding_window = sliding_window if use_sliding_window else None
+        self.max_window_layers = max_window_layers
+        self.rope_scaling = rope_scaling
+        self.num_experts = num_experts
+        self.num_shared_experts = num_shared_experts
+        self.num_experts_per_tok = num_experts_per_tok
+        self.n_group = n_group
+        self.topk_group = topk_group
+        self.routed_scaling_factor = routed_scaling_factor
+        self.moe_intermediate_size = moe_intermediate_size
+        self.first_k_dense_replace = first_k_dense_replace
+        self.head_dim = head_dim or hidden_size // num_attention_heads
+        self.output_router_logits = output_router_logits
+        self.partial_rotary_factor = partial_rotary_factor
+        self.rotary_dim = rotary_dim  # published but ignored by the published forward
+        self.norm_topk_prob = norm_topk_prob
+        self.score_function = score_function
+        self.router_dtype = router_dtype
+        self.moe_router_enable_expert_bias = moe_router_enable_expert_bias
+        self.block_size = block_size
+        self.mask_token_id = mask_token_id
+        super().__init__(pad_token_id=pad_token_id, tie_word_embeddings=tie_word_embeddings,
+                         **kwargs)
+
+
 def register_hf_configs() -> None:
     from transformers import AutoConfig
 
     AutoConfig.register(SDARConfig.model_type, SDARConfig, exist_ok=True)
     AutoConfig.register(SDARMoeConfig.model_type, SDARMoeConfig, exist_ok=True)
+    AutoConfig.register(LLaDA2MoeConfig.model_type, LLaDA2MoeConfig, exist_ok=True)

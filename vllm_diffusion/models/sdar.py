@@ -33,23 +33,38 @@ from vllm_diffusion.attention.backend import BlockDiffusionAttentionBackend
 from vllm_diffusion.models.decoder_stack import StackRun, run_decoder_stack
 
 
+def init_block_diffusion_heads(module: nn.Module, config, vllm_config: VllmConfig, prefix: str,
+                               head_dim: int) -> None:
+    """This rank's head counts and sizes on ``module`` (``num_heads``, ``num_kv_heads``,
+    ``head_dim``, ``q_size``, ``kv_size``, ``scaling``) and its block-diffusion
+    ``attn`` (``{prefix}.attn``)."""
+    tp_size = get_tensor_model_parallel_world_size()
+    total_heads, total_kv_heads = config.num_attention_heads, config.num_key_value_heads
+    if total_heads % tp_size or (total_kv_heads % tp_size and tp_size % total_kv_heads):
+        raise ValueError(f"{total_heads} attention / {total_kv_heads} KV heads cannot be "
+                         f"split over tensor-parallel size {tp_size}")
+    module.num_heads = total_heads // tp_size
+    module.num_kv_heads = max(1, total_kv_heads // tp_size)
+    module.head_dim = head_dim
+    module.q_size = module.num_heads * head_dim
+    module.kv_size = module.num_kv_heads * head_dim
+    module.scaling = head_dim ** -0.5
+    module.attn = Attention(module.num_heads, head_dim, module.scaling,
+                            num_kv_heads=module.num_kv_heads,
+                            cache_config=vllm_config.cache_config,
+                            quant_config=vllm_config.quant_config, prefix=f"{prefix}.attn",
+                            attn_backend=BlockDiffusionAttentionBackend)
+
+
 class SDARAttention(nn.Module):
     """Qwen3's attention (q/k RMSNorm per head before RoPE), split into ``project`` and
     ``attend`` so that hooks can run between the keys/values and the attention."""
 
     def __init__(self, config, vllm_config: VllmConfig, prefix: str) -> None:
         super().__init__()
-        tp_size = get_tensor_model_parallel_world_size()
         total_heads, total_kv_heads = config.num_attention_heads, config.num_key_value_heads
-        if total_heads % tp_size or (total_kv_heads % tp_size and tp_size % total_kv_heads):
-            raise ValueError(f"{total_heads} attention / {total_kv_heads} KV heads cannot be "
-                             f"split over tensor-parallel size {tp_size}")
-        self.num_heads = total_heads // tp_size
-        self.num_kv_heads = max(1, total_kv_heads // tp_size)
-        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // total_heads
-        self.q_size = self.num_heads * self.head_dim
-        self.kv_size = self.num_kv_heads * self.head_dim
-        self.scaling = self.head_dim ** -0.5
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // total_heads
+        init_block_diffusion_heads(self, config, vllm_config, prefix, head_dim)
         quant_config = vllm_config.quant_config
         self.qkv_proj = QKVParallelLinear(
             config.hidden_size, self.head_dim, total_heads, total_kv_heads,
@@ -61,11 +76,6 @@ class SDARAttention(nn.Module):
         self.rotary_emb = get_rope(self.head_dim,
                                    max_position=getattr(config, "max_position_embeddings", 8192),
                                    rope_parameters=config.rope_parameters)
-        self.attn = Attention(self.num_heads, self.head_dim, self.scaling,
-                              num_kv_heads=self.num_kv_heads,
-                              cache_config=vllm_config.cache_config, quant_config=quant_config,
-                              prefix=f"{prefix}.attn",
-                              attn_backend=BlockDiffusionAttentionBackend)
         self.q_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
         self.k_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
 

@@ -80,11 +80,25 @@ Thank you, said the user. You are welcome, said the assistant. Have a nice day!
 """
 
 
-def build_tokenizer(vocab_size: int = DEFAULT_VOCAB_SIZE):
-    """A deterministic byte-level BPE tokenizer trained on a small built-in English text.
+def train_bpe(special_tokens: tuple[str, ...], vocab_size: int = DEFAULT_VOCAB_SIZE) -> Tokenizer:
+    """A deterministic byte-level BPE trained on a small built-in English text; the special
+    tokens take ids 0.. in the given order. Byte-level pre-tokenization means any string
+    (ASCII or not) encodes without unknown tokens."""
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=list(special_tokens),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(_TRAINING_TEXT.splitlines(keepends=True), trainer=trainer)
+    return tokenizer
 
-    Byte-level pre-tokenization means any string (ASCII or not) encodes without unknown
-    tokens. The special tokens take ids 0..3 in the order of `SPECIAL_TOKENS`.
+
+def build_tokenizer(vocab_size: int = DEFAULT_VOCAB_SIZE):
+    """The tiny SDAR tokenizer (``train_bpe`` with `SPECIAL_TOKENS`, ids 0..3).
 
     Returns:
         A `transformers.PreTrainedTokenizerFast` with eos/pad = `<|endoftext|>`,
@@ -92,18 +106,8 @@ def build_tokenizer(vocab_size: int = DEFAULT_VOCAB_SIZE):
     """
     from transformers import PreTrainedTokenizerFast
 
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=list(SPECIAL_TOKENS),
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tokenizer.train_from_iterator(_TRAINING_TEXT.splitlines(keepends=True), trainer=trainer)
     return PreTrainedTokenizerFast(
-        tokenizer_object=tokenizer,
+        tokenizer_object=train_bpe(SPECIAL_TOKENS, vocab_size),
         eos_token=EOS_TOKEN,
         pad_token=EOS_TOKEN,
         mask_token=MASK_TOKEN,

@@ -1,0 +1,246 @@
+"""LLaDA2.0 / LLaDA2.1 (``LLaDA2MoeModelLM``, ``model_type: llada2_moe``) with
+block-diffusion attention.
+
+The architecture is Ling-2.0's (vLLM's ``BailingMoeV2``), built here from vLLM's layers
+with the semantics of the published ``modeling_llada2_moe.py`` where vLLM's Bailing model
+differs:
+
+- fused QKV (``attention.query_key_value``: [q; k; v]), bias iff ``use_qkv_bias``; RMSNorm
+  q/k per head before RoPE (``query_layernorm`` / ``key_layernorm``); NeoX rotary on the
+  first ``int(head_dim * partial_rotary_factor)`` dims only (``rotary_dim`` is ignored);
+  output projection ``attention.dense``, bias iff ``use_bias``;
+- layers before ``first_k_dense_replace`` dense (``mlp.{gate,up,down}_proj``), the others
+  mixture of experts: router logits in fp32, sigmoid scores, ``mlp.gate.expert_bias``
+  added for selection only, group-limited top-k (per group the sum of its two best
+  biased scores, the best ``topk_group`` groups kept), the chosen experts' unbiased
+  scores renormalised whenever top-k > 1 (whatever ``norm_topk_prob`` says), times
+  ``routed_scaling_factor``, plus the shared experts;
+- ``norm_head`` is ignored (as by the published forward).
+
+Each layer exposes ``self_attn`` with ``project`` / ``attend``, so the decoder stack
+(``decoder_stack.py``) and every policy's hooks run on it as on SDAR.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn as nn
+
+from vllm.compilation.decorators import support_torch_compile
+from vllm.config import VllmConfig
+from vllm.distributed import get_pp_group
+from vllm.model_executor.layers.activation import SiluAndMul
+from vllm.model_executor.layers.fused_moe import FusedMoEFactory
+from vllm.model_executor.layers.layernorm import RMSNorm
+from vllm.model_executor.layers.linear import (MergedColumnParallelLinear, QKVParallelLinear,
+                                               RowParallelLinear)
+from vllm.model_executor.layers.logits_processor import LogitsProcessor
+from vllm.model_executor.layers.rotary_embedding import get_rope
+from vllm.model_executor.layers.vocab_parallel_embedding import (ParallelLMHead,
+                                                                 VocabParallelEmbedding)
+from vllm.model_executor.models.utils import (AutoWeightsLoader, WeightsMapper,
+                                              extract_layer_index, make_layers, maybe_prefix)
+
+from vllm_diffusion.models.decoder_stack import StackRun, run_decoder_stack
+from vllm_diffusion.models.sdar import init_block_diffusion_heads
+
+
+class LLaDA2Attention(nn.Module):
+    def __init__(self, config, vllm_config: VllmConfig, prefix: str) -> None:
+        super().__init__()
+        total_heads, total_kv_heads = config.num_attention_heads, config.num_key_value_heads
+        init_block_diffusion_heads(self, config, vllm_config, prefix, config.head_dim)
+        quant_config = vllm_config.quant_config
+        self.query_key_value = QKVParallelLinear(
+            config.hidden_size, self.head_dim, total_heads, total_kv_heads,
+            bias=config.use_qkv_bias, quant_config=quant_config,
+            prefix=f"{prefix}.query_key_value")
+        self.dense = RowParallelLinear(total_heads * self.head_dim, config.hidden_size,
+                                       bias=config.use_bias, quant_config=quant_config,
+                                       prefix=f"{prefix}.dense")
+        self.use_qk_norm = config.use_qk_norm
+        if self.use_qk_norm:
+            self.query_layernorm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+            self.key_layernorm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+        self.rotary_emb = get_rope(
+            self.head_dim, max_position=config.max_position_embeddings, is_neox_style=True,
+            rope_parameters={"rope_type": "default", "rope_theta": config.rope_theta,
+                             "partial_rotary_factor": config.partial_rotary_factor})
+
+    def project(self, positions: torch.Tensor, hidden_states: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Queries [T, H * D], keys and values [T, H_kv * D], after q/k-norm and RoPE."""
+        qkv, _ = self.query_key_value(hidden_states)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        if self.use_qk_norm:
+            q = self.query_layernorm(q.view(-1, self.num_heads, self.head_dim)).view(q.shape)
+            k = self.key_layernorm(k.view(-1, self.num_kv_heads, self.head_dim)).view(k.shape)
+        q, k = self.rotary_emb(positions, q, k)
+        return q, k, v
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        output, _ = self.dense(self.attn(q, k, v))
+        return output
+
+
+class LLaDA2MLP(nn.Module):
+    """SwiGLU; the checkpoint's ``gate_proj`` / ``up_proj`` load into ``gate_up_proj``."""
+
+    def __init__(self, config, intermediate_size: int, vllm_config: VllmConfig, prefix: str,
+                 reduce_results: bool = True) -> None:
+        super().__init__()
+        self.gate_up_proj = MergedColumnParallelLinear(
+            config.hidden_size, [intermediate_size] * 2, bias=False,
+            quant_config=vllm_config.quant_config, prefix=f"{prefix}.gate_up_proj")
+        self.down_proj = RowParallelLinear(intermediate_size, config.hidden_size, bias=False,
+                                           quant_config=vllm_config.quant_config,
+                                           reduce_results=reduce_results,
+                                           prefix=f"{prefix}.down_proj")
+        self.act_fn = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x, _ = self.gate_up_proj(x)
+        x, _ = self.down_proj(self.act_fn(x))
+        return x
+
+
+def route(hidden_states: torch.Tensor, gating_output: torch.Tensor, topk: int,
+          renormalize: bool, *, expert_bias: torch.Tensor, num_groups: int, topk_group: int,
+          scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The published router: ([T, k] weights, [T, k] expert ids) from fp32 logits [T, E]."""
+    scores = torch.sigmoid(gating_output.float())  # [T, E]
+    biased = scores + expert_bias.float()  # for selection only
+    tokens, experts = scores.shape
+    grouped = biased.view(tokens, num_groups, experts // num_groups)
+    group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)  # [T, G]
+    best_groups = group_scores.topk(topk_group, dim=-1, sorted=False).indices
+    keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best_groups, True)
+    biased = biased.masked_fill(~keep.repeat_interleave(experts // num_groups, dim=1),
+                                float("-inf"))
+    ids = biased.topk(topk, dim=-1).indices
+    weights = scores.gather(1, ids)
+    if topk > 1:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights * scaling, ids
+
+
+class LLaDA2Router(nn.Module):
+    """``mlp.gate``: the router weight [E, hidden] and ``expert_bias`` [E], both fp32."""
+
+    def __init__(self, config) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(config.num_experts, config.hidden_size,
+                                               dtype=torch.float32), requires_grad=False)
+        self.expert_bias = nn.Parameter(torch.zeros(config.num_experts, dtype=torch.float32),
+                                        requires_grad=False)
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.linear(hidden_states.float(), self.weight.float())
+
+
+class LLaDA2MoE(nn.Module):
+    def __init__(self, config, vllm_config: VllmConfig, prefix: str) -> None:
+        super().__init__()
+        if config.num_experts % config.n_group or config.num_experts // config.n_group < 2:
+            raise ValueError(f"{config.num_experts} experts cannot form {config.n_group} "
+                             f"groups of at least two (group-limited routing)")
+        self.gate = LLaDA2Router(config)
+        self.shared_experts = None
+        if config.num_shared_experts:
+            self.shared_experts = LLaDA2MLP(
+                config, config.moe_intermediate_size * config.num_shared_experts,
+                vllm_config, f"{prefix}.shared_experts", reduce_results=False)
+        self.experts = FusedMoEFactory(
+            shared_experts=self.shared_experts, num_experts=config.num_experts,
+            top_k=config.num_experts_per_tok, hidden_size=config.hidden_size,
+            intermediate_size=config.moe_intermediate_size, renormalize=False,
+            quant_config=vllm_config.quant_config, prefix=f"{prefix}.experts",
+            custom_routing_function=functools.partial(
+                route, expert_bias=self.gate.expert_bias, num_groups=config.n_group,
+                topk_group=config.topk_group, scaling=config.routed_scaling_factor),
+            router_logits_dtype=torch.float32)
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return self.experts(hidden_states=hidden_states,
+                            router_logits=self.gate(hidden_states))
+
+
+class LLaDA2DecoderLayer(nn.Module):
+    def __init__(self, config, vllm_config: VllmConfig, prefix: str) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.attention = LLaDA2Attention(config, vllm_config, f"{prefix}.attention")
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        if config.num_experts and extract_layer_index(prefix) >= config.first_k_dense_replace:
+            self.mlp = LLaDA2MoE(config, vllm_config, f"{prefix}.mlp")
+        else:
+            self.mlp = LLaDA2MLP(config, config.intermediate_size, vllm_config, f"{prefix}.mlp")
+
+    @property
+    def self_attn(self) -> LLaDA2Attention:
+        """The decoder stack's name for the attention (the checkpoint's is ``attention``)."""
+        return self.attention
+
+
+@support_torch_compile(dynamic_arg_dims={"input_ids": 0, "positions": -1})
+class LLaDA2Model(nn.Module):
+    def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
+        super().__init__()
+        config = vllm_config.model_config.hf_text_config
+        self.config = config
+        self.word_embeddings = VocabParallelEmbedding(
+            config.vocab_size, config.hidden_size, quant_config=vllm_config.quant_config,
+            prefix=f"{prefix}.word_embeddings")
+        self.start_layer, self.end_layer, self.layers = make_layers(
+            config.num_hidden_layers,
+            lambda prefix: LLaDA2DecoderLayer(config, vllm_config, prefix),
+            prefix=f"{prefix}.layers")
+        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.word_embeddings(input_ids)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                intermediate_tensors=None, inputs_embeds=None,
+                stack_run: StackRun | None = None) -> torch.Tensor:
+        return run_decoder_stack(self, input_ids, positions, stack_run)
+
+
+class LLaDA2MoeModelLM(nn.Module):
+    hf_to_vllm_mapper = WeightsMapper(orig_to_new_stacked={
+        ".mlp.gate_proj": (".mlp.gate_up_proj", 0),
+        ".mlp.up_proj": (".mlp.gate_up_proj", 1),
+        ".shared_experts.gate_proj": (".shared_experts.gate_up_proj", 0),
+        ".shared_experts.up_proj": (".shared_experts.gate_up_proj", 1),
+    })
+
+    def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
+        super().__init__()
+        if get_pp_group().world_size > 1:
+            raise NotImplementedError("block-diffusion models do not support pipeline "
+                                      "parallelism")
+        config = vllm_config.model_config.hf_text_config
+        self.config = config
+        self.model = LLaDA2Model(vllm_config=vllm_config, prefix=maybe_prefix(prefix, "model"))
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size,
+                                      quant_config=vllm_config.quant_config,
+                                      prefix=maybe_prefix(prefix, "lm_head"))
+        if config.tie_word_embeddings:
+            self.lm_head = self.lm_head.tie_weights(self.model.word_embeddings)
+        self.logits_processor = LogitsProcessor(config.vocab_size)
+
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model.embed_input_ids(input_ids)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                intermediate_tensors=None, inputs_embeds=None,
+                stack_run: StackRun | None = None) -> torch.Tensor:
+        return self.model(input_ids, positions, stack_run=stack_run)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
+        return self.logits_processor(self.lm_head, hidden_states)
+
+    def load_weights(self, weights) -> set[str]:
+        return AutoWeightsLoader(self).load_weights(weights, mapper=self.hf_to_vllm_mapper)
