@@ -119,3 +119,91 @@ def test_served_with_focus_chat_metrics_and_step_map(llada2_checkpoint, tmp_path
         assert completion.status_code == 200, completion.text
         assert len(completion.json()["kv_transfer_params"]["diffusion_step_map"]) == 40
         assert metric(url, "vllm:diffusion_num_committed_tokens_total") >= 52
+
+
+EDITING = {"b8-threshold-post2": ("standard", 8, "threshold", 0.7, 0.5, 2),
+           "b8-dynamic-post16": ("standard", 8, "low_confidence_dynamic", 0.9, 0.3, 16),
+           "b16-static-post0": ("standard", 16, "low_confidence_static", 0.9, 0.4, 0),
+           "focus-b8-threshold": ("focus", 8, "threshold", 0.7, 0.5, 4)}
+
+
+@pytest.mark.parametrize("case", EDITING.values(), ids=EDITING.keys())
+def test_token_editing_equals_the_reference(llada2_checkpoint, case):
+    """LLaDA2.1 editing (``editing_threshold``, ``max_post_steps``): outputs and step maps
+    (the step of each token's last change) equal the reference loop's, and editing changes
+    the output (so the test can tell it from plain filling). FOCUS edits with its eviction
+    and intra-block cache off (the configuration where editing applies)."""
+    from reference_llada2 import reference_generate_editing
+
+    policy, block_size, strategy, threshold, editing, post = case
+    mask_id, stops, vocab_size = token_info(llada2_checkpoint)
+    prompts = make_prompts(block_size, vocab_size, stops | {mask_id}, seed=60 + block_size)
+    max_tokens = 2 * block_size + 3
+    options = {"strategy": strategy, "threshold": threshold, "editing_threshold": editing,
+               "max_post_steps": post}
+    if policy == "focus":
+        options.update(evict=False, intra_block_cache=False)
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True,
+                            extra_args={**options, "return_step_map": True})
+    with diffusion_llm(llada2_checkpoint, diffusion_block_size=block_size,
+                       additional_config={"diffusion_policy": policy}) as llm:
+        outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params,
+                               use_tqdm=False)
+    reference = ReferenceLLaDA2(llada2_checkpoint)
+    plain = []
+    for prompt, output in zip(prompts, outputs):
+        tokens, step_map = reference_generate_editing(
+            reference, prompt, block_size=block_size, mask_id=mask_id, max_tokens=max_tokens,
+            strategy=strategy, threshold=threshold, editing_threshold=editing,
+            max_post_steps=post)
+        assert list(output.outputs[0].token_ids) == tokens
+        assert output.kv_transfer_params["diffusion_step_map"] == step_map
+        plain.append(reference_generate(reference, prompt, block_size=block_size,
+                                        mask_id=mask_id, max_tokens=max_tokens,
+                                        strategy=strategy, threshold=threshold))
+    assert [list(o.outputs[0].token_ids) for o in outputs] != plain
+
+
+def test_edited_tokens_are_emitted_only_when_their_block_ends(llada2_checkpoint):
+    block_size = 8
+    mask_id, stops, vocab_size = token_info(llada2_checkpoint)
+    prompt = make_prompts(block_size, vocab_size, stops | {mask_id}, seed=4)[-1]
+    params = SamplingParams(temperature=0, max_tokens=3 * block_size, ignore_eos=True,
+                            extra_args={"strategy": "threshold", "threshold": 0.7,
+                                        "editing_threshold": 0.5})
+    with diffusion_llm(llada2_checkpoint, diffusion_block_size=block_size) as llm:
+        engine = llm.llm_engine
+        engine.add_request("edits", TokensPrompt(prompt_token_ids=prompt), params)
+        lengths = []
+        while engine.has_unfinished_requests():
+            for output in engine.step():
+                lengths.append(len(output.outputs[0].token_ids))
+    assert lengths[-1] == 3 * block_size
+    for length in lengths:  # every emission completes a block (or the request)
+        assert (len(prompt) + length) % block_size == 0 or length == 3 * block_size
+
+
+@pytest.mark.parametrize("policy,cases", [
+    ("focus", [({}, "intra_block_cache"), ({"intra_block_cache": False}, "'evict'")]),
+    ("es", [({}, "skip_ratio")]),
+    ("standard", [({"chunk_size": 4}, "chunk_size")]),
+    ("ada", [({}, "unknown option")]),
+])
+def test_editing_is_refused_where_it_cannot_apply(llada2_checkpoint, policy, cases):
+    engine_options = {"skip_layers": [1]} if policy == "es" else {}
+    with diffusion_llm(llada2_checkpoint, diffusion_block_size=8,
+                       additional_config={"diffusion_policy": policy, **engine_options}) as llm:
+        for options, message in cases:
+            params = SamplingParams(temperature=0, max_tokens=4,
+                                    extra_args={**options, "editing_threshold": 0.5})
+            with pytest.raises(Exception, match=message):
+                llm.generate([TokensPrompt(prompt_token_ids=[5, 6, 7])], params,
+                             use_tqdm=False)
+
+
+def test_the_elastic_policy_refuses_editing():
+    from vllm_diffusion.options import OptionError
+    from vllm_diffusion.policies.elastic import ElasticPolicyConfig
+
+    with pytest.raises(OptionError, match="elastic policy"):
+        ElasticPolicyConfig(chunk_reuse=False, editing_threshold=0.5).validate_for_block(8, "x")

@@ -1,4 +1,4 @@
-"""``vllm serve --diffusion-policy es|ada|sparse_prefix`` on loopback: completions, streaming, the step
+"""``vllm serve --diffusion-policy es|ada`` on loopback: completions, streaming, the step
 map, per-request options and the diffusion metrics."""
 
 from __future__ import annotations
@@ -26,9 +26,7 @@ def layer_positions(url: str) -> dict[int, float]:
 
 @pytest.mark.parametrize("policy,options,bad_option", [
     ("es", {"skip_ratio": 0.5, "alpha": 0.5}, {"skip_ratio": 2.0}),
-    ("ada", {"capacity": 0.3}, {"capacity": 0}),
-    ("sparse_prefix", {"retention_ratio": 0.3, "strategy": "low_confidence_static"},
-     {"pool_kernel": 2})])
+    ("ada", {"capacity": 0.3}, {"capacity": 0})])
 def test_policy_serves_completions_stream_and_step_map(policy, options, bad_option,
                                                        tmp_path_factory):
     checkpoint = build_tiny_sdar(tmp_path_factory.mktemp("sdar-4-layers"), num_layers=4, seed=3)
@@ -60,5 +58,5 @@ def test_policy_serves_completions_stream_and_step_map(policy, options, bad_opti
         assert sorted(per_layer) == [0, 1, 2, 3] and per_layer[3] == later
         if policy == "es":  # positions skipped after layer 2 do not reach layer 3
             assert later < positions and per_layer[0] == per_layer[2] > per_layer[3]
-        else:  # ada and sparse_prefix drop no position inside the forward
+        else:  # ada computes fewer positions but drops none inside the forward
             assert later == positions and len(set(per_layer.values())) == 1

@@ -15,9 +15,11 @@ denoising step calls, in order (``begin_step`` first, with every scheduled reque
    still stored), after a layer's output (``after_output``: may drop rows), and inside
    attention (``select_keys``: which committed-prefix keys each request's block rows see,
    as kept-index lists, and which requests select them this step);
-3. ``choose_commits(batch)`` once for all requests: which masked positions to unmask;
+3. ``choose_commits(batch)`` once for all requests: which masked positions to unmask,
+   then ``choose_edits(batch)``: which filled positions take a new token (LLaDA2.1
+   editing; ``edits_tokens(request)`` says whether a request's tokens may still change);
 4. ``after_step(request, ...)`` per request, and ``on_block_complete(request)`` when its
-   block has no masked position left.
+   block has no masked position left and ``block_ends(request, edited)`` agrees.
 """
 
 from __future__ import annotations
@@ -127,6 +129,20 @@ class StepHooks:
 
 
 @dataclasses.dataclass
+class EditBatch:
+    """Every denoised block of a step, for token editing: confidence [R, B] float32 and
+    proposals [R, B] int64 (host) of each computed position (-inf / any token elsewhere),
+    tokens [R, B] the blocks before the step, filled [R, B] bool the computed positions
+    filled at an earlier step of the block (never prompt positions)."""
+
+    requests: list[DiffusionRequest]
+    confidence: torch.Tensor
+    proposals: torch.Tensor
+    tokens: torch.Tensor
+    filled: torch.Tensor
+
+
+@dataclasses.dataclass
 class CommitBatch:
     """Every denoised block of a step, stacked. confidence: [R, B] float32 (host) of each
     proposal, -inf where not proposed; masked: [R, B] bool, masked positions that were
@@ -185,6 +201,21 @@ class DecodingPolicy(abc.ABC):
     def choose_commits(self, batch: CommitBatch) -> torch.Tensor:
         """[R, B] bool: positions to unmask; a subset of ``batch.masked`` with at least
         one position per request that has one."""
+
+    def edits_tokens(self, request: DiffusionRequest) -> bool:
+        """Whether filled tokens of the request's block may still change (then they are
+        emitted only when the block ends)."""
+        return False
+
+    def choose_edits(self, batch: EditBatch) -> torch.Tensor | None:
+        """[R, B] bool: filled positions that take their proposal this step (a subset of
+        ``batch.filled``); None: no edit."""
+        return None
+
+    def block_ends(self, request: DiffusionRequest, edited: bool) -> bool:
+        """Asked when the request's block has no masked position left after a step
+        (``edited``: the step changed a filled token): whether the block is complete."""
+        return True
 
     def after_step(self, request: DiffusionRequest, masked_before: torch.Tensor,
                    computed: torch.Tensor, num_decoded: int) -> None:

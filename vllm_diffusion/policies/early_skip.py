@@ -77,6 +77,9 @@ class EarlySkipPolicyConfig(StrategyConfig):
         if self.skip_ratio >= 1.0:
             raise OptionError(f"{source}: option 'skip_ratio' must be below 1 (the share "
                               f"of positions skipped at each skip layer), got {self.skip_ratio}")
+        if self.skip_ratio > 0:
+            self.refuse_editing_with(source, "with 'skip_ratio' above 0 (skipped positions get "
+                                             "no new proposal)")
         layers = self.skip_layers
         if layers is not None and list(layers) != sorted(set(layers)):
             raise OptionError(f"{source}: option 'skip_layers' must list distinct layers "

@@ -45,6 +45,11 @@ class ElasticPolicyConfig(StandardPolicyConfig):
     warmup_steps: int = option(4, Rule(int, low=0, high=10_000))
     explore_every: int = option(16, Rule(int, low=2, high=10_000))
 
+    def validate_for_block(self, block_size: int, source: str) -> None:
+        super().validate_for_block(block_size, source)
+        self.refuse_editing_with(source, "with the elastic policy (its chunks leave positions "
+                                         "without a new proposal)")
+
 
 MIN_OBSERVATIONS = 8
 

@@ -32,7 +32,7 @@ from typing import Any, ClassVar
 import torch
 
 from vllm_diffusion.options import OptionError, Rule, option
-from vllm_diffusion.policies.base import CommitBatch, DecodingPolicy, PolicyConfig
+from vllm_diffusion.policies.base import CommitBatch, DecodingPolicy, EditBatch, PolicyConfig
 from vllm_diffusion.policies.block_cache import IntraBlockCache
 from vllm_diffusion.worker.request_state import DiffusionRequest
 
@@ -47,6 +47,12 @@ class StrategyConfig(PolicyConfig):
     threshold: float = option(0.9, Rule(float, low=0.0, high=1.0))
     # Cap on denoising steps per block; None means one step per block position.
     denoising_steps: int | None = option(None, Rule(int, low=1, high=4096, optional=True))
+    # LLaDA2.1 token editing: a filled position of the current block takes the model's
+    # token when it differs with probability above this (None: no editing).
+    editing_threshold: float | None = option(None, Rule(float, low=0.0, high=1.0,
+                                                        optional=True))
+    # Steps a block may run with no mask left before it ends anyway (editing only).
+    max_post_steps: int = option(16, Rule(int, low=0, high=4096))
 
     def validate_for_block(self, block_size: int, source: str) -> None:
         if self.denoising_steps is not None and self.denoising_steps > block_size:
@@ -54,6 +60,11 @@ class StrategyConfig(PolicyConfig):
                 f"{source}: option 'denoising_steps' must be at most the block size "
                 f"({block_size}), got {self.denoising_steps}"
             )
+
+    def refuse_editing_with(self, source: str, reason: str) -> None:
+        """Raise if editing is on: ``reason`` says why this configuration cannot honour it."""
+        if self.editing_threshold is not None:
+            raise OptionError(f"{source}: option 'editing_threshold' cannot apply {reason}")
 
     def steps_for(self, block_size: int) -> int:
         return self.denoising_steps or block_size
@@ -67,6 +78,10 @@ class StandardPolicyConfig(StrategyConfig):
 
     def validate_for_block(self, block_size: int, source: str) -> None:
         super().validate_for_block(block_size, source)
+        if self.chunk_size is not None or self.chunk_reuse:
+            self.refuse_editing_with(source, "with 'chunk_size' or 'chunk_reuse' (positions "
+                                             "outside the chunk or reused from the cache "
+                                             "get no new proposal)")
         if self.chunk_size is not None and block_size % self.chunk_size:
             raise OptionError(
                 f"{source}: option 'chunk_size' must divide the block size ({block_size}), "
@@ -172,7 +187,24 @@ class ChunkState:
 
 class StrategyPolicy(DecodingPolicy):
     """Base of the policies that unmask by one of ``STRATEGIES`` (the commit choice only;
-    what to compute is each policy's own)."""
+    what to compute is each policy's own), with LLaDA2.1 token editing where a request
+    asks for it (``editing_threshold``)."""
+
+    def edits_tokens(self, request: DiffusionRequest) -> bool:
+        return request.policy_config.editing_threshold is not None
+
+    def choose_edits(self, batch: EditBatch) -> torch.Tensor | None:
+        limits = [r.policy_config.editing_threshold for r in batch.requests]
+        if all(limit is None for limit in limits):
+            return None
+        limit = torch.tensor([float("inf") if x is None else x for x in limits])
+        return (batch.filled & (batch.proposals != batch.tokens)
+                & (batch.confidence > limit[:, None]))
+
+    def block_ends(self, request: DiffusionRequest, edited: bool) -> bool:
+        config = request.policy_config
+        return (config.editing_threshold is None or not edited
+                or request.canvas.post_steps >= config.max_post_steps)
 
     def choose_commits(self, batch: CommitBatch) -> torch.Tensor:
         configs = [r.policy_config for r in batch.requests]

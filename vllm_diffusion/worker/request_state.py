@@ -23,19 +23,23 @@ class BlockCanvas:
     start: int  # absolute position of the block's first token
     tokens: torch.Tensor  # [B] int64 (host), mask_token_id where undecided
     steps: int = 0  # denoising steps taken on this block
+    post_steps: int = 0  # of them, steps that began with no masked position (editing)
     first_step: int = 0  # the request's denoising steps before this block
-    # [B] int64 (host): the request's denoising step (0-based) that unmasked each position;
-    # -1 where the position is fixed (prompt tail) or still masked
+    # [B] int64 (host): the request's denoising step (0-based) that last changed each
+    # position (unmasked or edited it); -1 where it is fixed (prompt tail) or still masked
     decoded_at: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         if self.decoded_at is None:
             self.decoded_at = torch.full_like(self.tokens, -1)
 
-    def commit(self, positions: torch.Tensor, tokens: torch.Tensor) -> None:
-        """One step done: ``positions`` ([B] bool) were unmasked; ``tokens`` ([B] int64) is
-        the block after it (the old tokens with the proposals at ``positions``)."""
+    def commit(self, positions: torch.Tensor, tokens: torch.Tensor,
+               began_unmasked: bool = False) -> None:
+        """One step done: ``positions`` ([B] bool) were unmasked or edited; ``tokens``
+        ([B] int64) is the block after it (the old tokens with the proposals at
+        ``positions``); ``began_unmasked``: the step started with no masked position."""
         self.tokens = tokens
+        self.post_steps += int(began_unmasked)
         self.decoded_at[positions] = self.first_step + self.steps
         self.steps += 1
 

@@ -23,7 +23,7 @@ from vllm.logger import init_logger
 from vllm_diffusion.attention.backend import BlockDiffusionMetadata
 from vllm_diffusion.config import engine_config_from_vllm, wants_step_map
 from vllm_diffusion.models.decoder_stack import StackRun
-from vllm_diffusion.policies.base import CommitBatch, ForwardStep, StepHooks
+from vllm_diffusion.policies.base import CommitBatch, EditBatch, ForwardStep, StepHooks
 from vllm_diffusion.worker.geometry import BlockGeometry
 from vllm_diffusion.worker.importance_recording import ImportanceRecorder
 from vllm_diffusion.worker.outputs import DiffusionRunnerOutput, empty_output
@@ -269,11 +269,20 @@ class DiffusionRunnerMixin:
         computed[block_of_row, position_of_row] = True
         masked = torch.stack([b.rows.canvas.masked(mask_id) for b in blocks])
         requests = [b.rows.request for b in blocks]
-        commits = self._choose_commits(requests, full_confidence, masked & computed, failed)
-        # The blocks after this step's commits, for all requests at once.
-        tokens_after = torch.where(commits, proposals, torch.stack(
-            [b.rows.canvas.tokens for b in blocks]))
-        block_done = (tokens_after != mask_id).all(dim=1).tolist()
+        commits = self._ask_policy(self.policy.choose_commits, CommitBatch, requests,
+                                   (full_confidence, masked & computed), failed,
+                                   "choosing its commits")
+        # The blocks after this step's commits and edits, for all requests at once.
+        tokens_before = torch.stack([b.rows.canvas.tokens for b in blocks])
+        tokens_after = torch.where(commits, proposals, tokens_before)
+        filled = computed & torch.stack([b.rows.canvas.decoded_at >= 0 for b in blocks])
+        edits = self._ask_policy(self.policy.choose_edits, EditBatch, requests,
+                                 (full_confidence, proposals, tokens_before, filled), failed,
+                                 "choosing its edits")
+        if edits is not None:
+            tokens_after = torch.where(edits, proposals, tokens_after)
+        else:
+            edits = torch.zeros_like(commits)
         num_decoded = commits.sum(dim=1).tolist()
         token_lists = tokens_after.tolist()
         sampled: dict[str, list[int]] = {}
@@ -283,9 +292,9 @@ class DiffusionRunnerMixin:
             if req_id in failed:
                 continue
             try:
-                sampled[req_id] = self._unmask(block, state, commits[i], num_decoded[i],
-                                               tokens_after[i], token_lists[i],
-                                               block_done[i], masked[i], computed[i])
+                sampled[req_id] = self._unmask(block, state, commits[i], edits[i],
+                                               num_decoded[i], tokens_after[i], token_lists[i],
+                                               masked[i], computed[i])
             except Exception as err:  # noqa: BLE001 - isolated to this request
                 failed[req_id] = self._fail_request(req_id, "unmasking its block", err)
                 continue
@@ -293,36 +302,45 @@ class DiffusionRunnerMixin:
                 step_maps[req_id] = list(block.rows.request.step_map)
         return sampled, step_maps
 
-    def _choose_commits(self, requests: list[DiffusionRequest], confidence: torch.Tensor,
-                        masked: torch.Tensor, failed: dict[str, str]) -> torch.Tensor:
-        """The policy's commit choice for all blocks at once; if it raises, each block is
-        asked alone so that only the request it fails for is finished."""
+    def _ask_policy(self, method, batch_cls, requests: list[DiffusionRequest],
+                    tensors: tuple[torch.Tensor, ...], failed: dict[str, str], doing: str):
+        """``method(batch_cls(requests, *tensors))`` for all blocks at once ([R, B] bool or
+        None); if it raises, each block is asked alone so that only the request it fails
+        for is finished (its row is then all False)."""
         try:
-            return self.policy.choose_commits(CommitBatch(requests, confidence, masked))
+            return method(batch_cls(requests, *tensors))
         except Exception:  # noqa: BLE001 - narrowed to the failing requests below
-            commits = torch.zeros_like(masked)
+            rows = []
             for i, request in enumerate(requests):
                 try:
-                    commits[i] = self.policy.choose_commits(CommitBatch(
-                        [request], confidence[i:i + 1], masked[i:i + 1]))[0]
+                    row = method(batch_cls([request], *(t[i:i + 1] for t in tensors)))
                 except Exception as err:  # noqa: BLE001 - isolated to this request
-                    failed[request.req_id] = self._fail_request(
-                        request.req_id, "choosing its commits", err)
-            return commits
+                    failed[request.req_id] = self._fail_request(request.req_id, doing, err)
+                    row = None
+                rows.append(torch.zeros_like(tensors[-1][i]) if row is None else row[0])
+            return torch.stack(rows)
 
     def _unmask(self, block: DenoisedBlock, state: Any, commit: torch.Tensor,
-                num_decoded: int, tokens_after: torch.Tensor, token_list: list[int],
-                block_done: bool, masked: torch.Tensor, computed: torch.Tensor) -> list[int]:
-        """Apply one request's commits ([B] bool, ``num_decoded`` of them;
+                edit: torch.Tensor, num_decoded: int, tokens_after: torch.Tensor,
+                token_list: list[int], masked: torch.Tensor, computed: torch.Tensor
+                ) -> list[int]:
+        """Apply one request's commits and edits ([B] bool; ``num_decoded`` commits;
         ``tokens_after``/``token_list``: its block after them) and return its newly final
-        tokens."""
+        tokens: the decoded run after its known tokens, or, when its tokens may still
+        change (editing), the whole block once it ends."""
         request, canvas = block.rows.request, block.rows.canvas
-        canvas.commit(commit, tokens_after)
+        mask_id = self.diffusion.mask_token_id
+        edited = bool(edit.any())
+        canvas.commit(commit | edit, tokens_after, began_unmasked=not bool(masked.any()))
+        block_done = (not bool((tokens_after == mask_id).any())
+                      and self.policy.block_ends(request, edited))
         self.policy.after_step(request, masked, computed, num_decoded)
         if self.importance_recorder is not None:
             self.importance_recorder.record(request, masked, commit)
         if block_done:
             self.policy.on_block_complete(request)
+        if not block_done and self.policy.edits_tokens(request):
+            token_list = [mask_id] * len(token_list)  # nothing is final before the block ends
         num_known = len(state.prompt_token_ids) + len(state.output_token_ids)
         final = truncate_at_stop(
             emit_final_tokens(token_list, canvas.start, num_known, self.diffusion.mask_token_id),

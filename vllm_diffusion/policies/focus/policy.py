@@ -61,6 +61,12 @@ class FocusPolicyConfig(StrategyConfig):
         super().validate_for_block(block_size, source)
         if self.pool_kernel % 2 == 0:
             raise OptionError(f"{source}: option 'pool_kernel' must be odd, got {self.pool_kernel}")
+        if self.intra_block_cache:
+            self.refuse_editing_with(source, "with FOCUS's 'intra_block_cache' on (the frozen "
+                                             "KV of an edited token would be stale)")
+        if self.evict:
+            self.refuse_editing_with(source, "with FOCUS's 'evict' on (evicted positions get "
+                                             "no new proposal)")
 
 
 @dataclasses.dataclass
