@@ -104,3 +104,29 @@ def test_tokenizer_round_trips_and_keeps_responses_short(small_tokenizer):
     assert tokenizer.decode(tokenizer(unseen, add_special_tokens=False)["input_ids"]) == unseen
     lengths = sorted(len(tokenizer(e.answer)["input_ids"]) for e in examples)
     assert lengths[int(0.95 * len(lengths))] < 60
+
+
+def test_family_weights_reweight_the_training_mix_and_keep_the_split():
+    from collections import Counter
+
+    base = Counter(e.family for e in corpus.generate_examples(2000, seed=3))
+    heavier = corpus.generate_examples(2000, seed=3, family_weights={"range": 6.0})
+    counts = Counter(e.family for e in heavier)
+    assert counts["range"] > 2 * base["range"]
+    assert not any(corpus.is_eval_problem(e.family, e.answer) for e in heavier
+                   if e.family != "filler")
+    with pytest.raises(ValueError, match="unknown families"):
+        corpus.generate_examples(10, seed=3, family_weights={"poetry": 1.0})
+
+
+def test_retrieval_problems_plant_the_asked_number():
+    from vllm_diffusion.quality.retrieval import retrieval_examples
+
+    for example in retrieval_examples(20, seed=1, filler_words=(40, 200)):
+        key = example.prompt.rsplit("secret number of the ", 1)[1].rstrip("?")
+        assert f"The secret number of the {key} is {example.answer}." in example.prompt
+        assert corpus.is_eval_problem("retrieval", example.answer)
+    train = retrieval_examples(20, seed=1, filler_words=(40, 200), split="train")
+    assert not any(corpus.is_eval_problem("retrieval", e.answer) for e in train)
+    long = retrieval_examples(1, seed=2, filler_words=(1000, 1000))[0]
+    assert len(long.prompt.split()) > 1000

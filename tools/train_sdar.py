@@ -105,6 +105,8 @@ class TrainConfig:
     retrieval_fraction: float = 0.0
     retrieval_words: tuple[int, int] = (50, 3000)
     retrieval_batch_tokens: int = 8192
+    # Family sampling weights overriding the corpus's (a later stage's emphasis on weak ones).
+    family_weights: tuple[tuple[str, float], ...] = ()
 
 
 # ------------------------------------------------------------------- data
@@ -128,9 +130,10 @@ def retrieval_batches(tokenizer: PreTrainedTokenizerBase, config: TrainConfig, r
         yield items
 
 
-def tokenize_corpus(tokenizer: PreTrainedTokenizerBase) -> list[tuple[list[int], list[int]]]:
+def tokenize_corpus(tokenizer: PreTrainedTokenizerBase, family_weights: dict[str, float] | None = None
+                    ) -> list[tuple[list[int], list[int]]]:
     """(prompt ids, response ids ending in <|im_end|>) for every training example."""
-    examples = train_examples()
+    examples = train_examples(family_weights=family_weights)
     # Rendering the Jinja template 60k times is slow; format directly and check one against it.
     prompts = [chat_prompt(e.prompt) for e in examples]
     reference = tokenizer.apply_chat_template([{"role": "user", "content": examples[0].prompt}],
@@ -322,7 +325,7 @@ def train(config: TrainConfig, size: ModelSize) -> None:
         tokenizer = PreTrainedTokenizerFast.from_pretrained(config.init)
     else:
         tokenizer = build_tokenizer(train_examples())
-    data = tokenize_corpus(tokenizer)
+    data = tokenize_corpus(tokenizer, dict(config.family_weights) or None)
     sdar = {**sdar_config(size, tokenizer), "torch_dtype": config.save_dtype}
     pad_id, mask_id = sdar["pad_token_id"], sdar["mask_token_id"]
     model = Qwen3ForCausalLM(qwen3_config_from_sdar(sdar)).train()
@@ -400,6 +403,13 @@ def optimize(model: Qwen3ForCausalLM, loss_fn, next_items, config: TrainConfig, 
     print(f"trained {step} steps in {time.perf_counter() - started:.0f}s")
 
 
+def parse_family_weight(text: str) -> tuple[str, float]:
+    family, sep, weight = text.partition("=")
+    if not sep:
+        raise SystemExit(f"--family-weight wants FAMILY=WEIGHT, got {text!r}")
+    return family, float(weight)
+
+
 def model_size(args: argparse.Namespace) -> ModelSize:
     """The size flags given, else the --init checkpoint's, else the defaults. A flag that
     contradicts the --init checkpoint is an error (its weights would not load)."""
@@ -444,6 +454,8 @@ def main() -> None:
     parser.add_argument("--retrieval-words", type=int, nargs=2, default=list(TrainConfig.retrieval_words),
                         metavar=("MIN", "MAX"), help="retrieval passage length range in words")
     parser.add_argument("--retrieval-batch-tokens", type=int, default=TrainConfig.retrieval_batch_tokens)
+    parser.add_argument("--family-weight", action="append", default=[], metavar="FAMILY=W",
+                        help="override a family's sampling weight (repeatable), e.g. range=3")
     for field, default in asdict(ModelSize()).items():
         parser.add_argument(f"--{field.replace('_', '-')}", type=type(default), default=None,
                             help=f"default {default}, or the --init checkpoint's")
@@ -456,7 +468,8 @@ def main() -> None:
                          block_sizes=tuple(args.block_sizes), device=args.device,
                          save_dtype=args.save_dtype, retrieval_fraction=args.retrieval_fraction,
                          retrieval_words=tuple(args.retrieval_words),
-                         retrieval_batch_tokens=args.retrieval_batch_tokens)
+                         retrieval_batch_tokens=args.retrieval_batch_tokens,
+                         family_weights=tuple(parse_family_weight(w) for w in args.family_weight))
     train(config, size)
 
 

@@ -251,8 +251,10 @@ def generate_examples(
     seed: int,
     families: tuple[str, ...] = TRAIN_FAMILIES,
     split: str = "train",
+    family_weights: dict[str, float] | None = None,
 ) -> list[Example]:
-    """Draw ``n`` examples from ``split`` ("train" or "eval"), families mixed by FAMILY_WEIGHTS.
+    """Draw ``n`` examples from ``split`` ("train" or "eval"), families mixed by
+    ``family_weights`` (default ``FAMILY_WEIGHTS``; a partial mapping overrides those).
 
     Eval examples are unique by prompt; train examples may repeat.
     """
@@ -264,7 +266,11 @@ def generate_examples(
     if split == "eval" and "filler" in families:
         raise ValueError("filler has no checkable answer and is training-only")
     rng = random.Random(seed)
-    weights = [FAMILY_WEIGHTS[family] for family in families]
+    chosen = {**FAMILY_WEIGHTS, **(family_weights or {})}
+    unknown_weights = set(family_weights or {}) - set(_GENERATORS)
+    if unknown_weights:
+        raise ValueError(f"weights for unknown families {sorted(unknown_weights)}")
+    weights = [chosen[family] for family in families]
     examples: list[Example] = []
     seen_prompts: set[str] = set()
     attempts = 0
@@ -285,9 +291,12 @@ def generate_examples(
     return examples
 
 
-def train_examples(n: int = TRAIN_SIZE) -> list[Example]:
-    """The deterministic training set (all families, filler included)."""
-    return generate_examples(n, TRAIN_SEED, TRAIN_FAMILIES, split="train")
+def train_examples(n: int = TRAIN_SIZE,
+                   family_weights: dict[str, float] | None = None) -> list[Example]:
+    """The deterministic training set (all families, filler included); ``family_weights``
+    reweights families (e.g. more of a weak one) for a later training stage."""
+    return generate_examples(n, TRAIN_SEED, TRAIN_FAMILIES, split="train",
+                             family_weights=family_weights)
 
 
 def eval_examples(n_per_family: int, families: tuple[str, ...] = CHECKED_FAMILIES) -> list[Example]:
