@@ -49,6 +49,37 @@ def test_router_equals_the_published_routing(experts, groups, topk_group, top_k)
                                want_w.gather(1, order_want.indices))
 
 
+def test_each_moe_layer_routes_like_the_published_router(llada2_checkpoint):
+    """Every MoE layer of the checkpoint, on random hidden states: the plugin's router
+    (fp32 gate and ``route``) picks the experts and weights the reference picks."""
+    from safetensors.torch import load_file
+
+    from vllm_diffusion.models.configs import LLaDA2MoeConfig
+    from vllm_diffusion.models.llada2 import LLaDA2Router
+
+    config = LLaDA2MoeConfig.from_pretrained(llada2_checkpoint)
+    weights = load_file(str(llada2_checkpoint / "model.safetensors"))
+    hidden = torch.randn(64, config.hidden_size, generator=torch.Generator().manual_seed(1))
+    layers = range(config.first_k_dense_replace, config.num_hidden_layers)
+    assert len(layers) >= 2
+    for layer in layers:
+        router = LLaDA2Router(config)
+        router.weight.data.copy_(weights[f"model.layers.{layer}.mlp.gate.weight"])
+        router.expert_bias.data.copy_(weights[f"model.layers.{layer}.mlp.gate.expert_bias"])
+        got_w, got_ids = route(hidden, router(hidden), config.num_experts_per_tok, False,
+                               expert_bias=router.expert_bias, num_groups=config.n_group,
+                               topk_group=config.topk_group,
+                               scaling=config.routed_scaling_factor)
+        logits = hidden @ weights[f"model.layers.{layer}.mlp.gate.weight"].T
+        want_w, want_ids = reference_route(
+            logits, weights[f"model.layers.{layer}.mlp.gate.expert_bias"],
+            config.num_experts_per_tok, config.n_group, config.topk_group,
+            config.routed_scaling_factor)
+        got, want = got_ids.sort(dim=-1), want_ids.sort(dim=-1)
+        assert torch.equal(got.values, want.values), layer
+        torch.testing.assert_close(got_w.gather(1, got.indices), want_w.gather(1, want.indices))
+
+
 def generate(checkpoint, prompts, block_size, max_tokens, policy="standard", options=None):
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True,
                             extra_args=options)
