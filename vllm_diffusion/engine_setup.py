@@ -25,8 +25,6 @@ GPU_WORKER_CLS = "vllm_diffusion.worker.gpu_worker.DiffusionGPUWorker"
 
 # The mask token's text in checkpoints whose tokenizer does not name a mask_token.
 MASK_TOKEN_TEXTS = ("<|mask|>",)
-# Block sizes of model families whose configs carry none (SDAR's is in its config).
-MODEL_TYPE_BLOCK_SIZES = {"llada2_moe": 32}
 
 
 def _tokenizer_mask_token_id(model_config: Any) -> int | None:
@@ -56,8 +54,7 @@ class DiffusionModelConfigHook(VerifyAndUpdateConfig):
             mask_token_id = _tokenizer_mask_token_id(model_config)
         config = parse_engine_options(
             vllm_config.additional_config or {},
-            config_block_size=(getattr(hf_config, "block_size", None)
-                               or MODEL_TYPE_BLOCK_SIZES.get(hf_config.model_type)),
+            config_block_size=getattr(hf_config, "block_size", None),
             config_mask_token_id=mask_token_id,
             vocab_size=model_config.get_vocab_size(),
         )

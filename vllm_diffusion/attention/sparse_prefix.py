@@ -42,6 +42,41 @@ class PrefixScoring:
 
 
 @dataclasses.dataclass
+class RowSplit:
+    """A step's rows split between sparse attention (block rows of the sparse requests)
+    and dense attention (every other row), with each side's request offsets."""
+
+    sparse_index: torch.Tensor  # [T_s] rows attended sparsely
+    sparse_loc: list[int]  # len(sparse) + 1 row offsets
+    sparse_requests: torch.Tensor  # [len(sparse)] their request indices
+    dense_index: torch.Tensor | None  # [T_d] the other rows (None: none)
+    dense_loc: list[int]
+    dense_requests: list[int]
+    dense_request_index: torch.Tensor  # [len(dense_requests)]
+
+    @classmethod
+    def of(cls, query_start_loc: list[int], block_rows: list[int], sparse: list[int],
+           device: torch.device) -> RowSplit:
+        ends = query_start_loc[1:]
+        first_sparse = {r: ends[r] - block_rows[r] for r in sparse}
+        sparse_rows = [i for r in sparse for i in range(first_sparse[r], ends[r])]
+        sparse_loc = [0]
+        for r in sparse:
+            sparse_loc.append(sparse_loc[-1] + block_rows[r])
+        dense_rows, dense_loc, dense_requests = [], [0], []
+        for r, start in enumerate(query_start_loc[:-1]):
+            end = first_sparse.get(r, ends[r])
+            if end > start:
+                dense_requests.append(r)
+                dense_rows.extend(range(start, end))
+                dense_loc.append(dense_loc[-1] + end - start)
+        return cls(torch.tensor(sparse_rows, device=device), sparse_loc,
+                   torch.tensor(sparse, device=device),
+                   torch.tensor(dense_rows, device=device) if dense_rows else None,
+                   dense_loc, dense_requests, torch.tensor(dense_requests, device=device))
+
+
+@dataclasses.dataclass
 class PrefixSparsity:
     """One layer's prefix sparsity for a step; lists are indexed like the step's requests."""
 
@@ -50,6 +85,9 @@ class PrefixSparsity:
     sparse: list[int]  # requests whose block rows attend to kept prefix positions only
     kept_index: torch.Tensor | None  # [len(sparse), H_kv, K] int64 (model device), -1 pad
     scoring: list[PrefixScoring]
+    # the rows' split, the same at every layer of a step (made once when the step starts
+    # it; else at the first layer that needs it)
+    split: RowSplit | None = None
 
 
 def select_prefix(block_query: torch.Tensor, kv_cache: torch.Tensor, page_ids: torch.Tensor,
@@ -188,32 +226,20 @@ def attend_with_prefix_sparsity(query: torch.Tensor, kv_cache: torch.Tensor, met
     if not sparsity.sparse:
         return dense_kernel(query, kv_cache, md.query_positions, loc, md.kv_lens,
                             md.block_table, md.diffusion_block_size, scale)
-    sparse_rows = {r: range(loc[r + 1] - sparsity.block_rows[r], loc[r + 1])
-                   for r in sparsity.sparse}
-    dense_requests, dense_rows, dense_loc = [], [], [0]
-    for r in range(len(md.kv_lens)):
-        rows = range(loc[r], sparse_rows[r].start if r in sparse_rows else loc[r + 1])
-        if len(rows):
-            dense_requests.append(r)
-            dense_rows.extend(rows)
-            dense_loc.append(dense_loc[-1] + len(rows))
-    sparse_index = torch.tensor([i for r in sparsity.sparse for i in sparse_rows[r]],
-                                device=query.device)
-    sparse_loc = [0]
-    for r in sparsity.sparse:
-        sparse_loc.append(sparse_loc[-1] + len(sparse_rows[r]))
+    if sparsity.split is None:
+        sparsity.split = RowSplit.of(loc, sparsity.block_rows, sparsity.sparse, query.device)
+    split = sparsity.split
     output = torch.empty_like(query)
-    chosen = torch.tensor(sparsity.sparse, device=md.block_table.device)
-    output[sparse_index] = sparse_kernel(
-        query[sparse_index], kv_cache, md.query_positions[sparse_index], sparse_loc,
-        [md.kv_lens[r] for r in sparsity.sparse], md.block_table[chosen],
+    output[split.sparse_index] = sparse_kernel(
+        query[split.sparse_index], kv_cache, md.query_positions[split.sparse_index],
+        split.sparse_loc, [md.kv_lens[r] for r in sparsity.sparse],
+        md.block_table[split.sparse_requests.to(md.block_table.device)],
         md.diffusion_block_size, scale, sparsity.kept_index,
         [sparsity.prefix_lens[r] for r in sparsity.sparse])
-    if dense_requests:
-        dense_index = torch.tensor(dense_rows, device=query.device)
-        picked = torch.tensor(dense_requests, device=md.block_table.device)
-        output[dense_index] = dense_kernel(
-            query[dense_index], kv_cache, md.query_positions[dense_index], dense_loc,
-            [md.kv_lens[r] for r in dense_requests], md.block_table[picked],
+    if split.dense_index is not None:
+        output[split.dense_index] = dense_kernel(
+            query[split.dense_index], kv_cache, md.query_positions[split.dense_index],
+            split.dense_loc, [md.kv_lens[r] for r in split.dense_requests],
+            md.block_table[split.dense_request_index.to(md.block_table.device)],
             md.diffusion_block_size, scale)
     return output

@@ -37,8 +37,9 @@ class SDARMoeConfig(Qwen3MoeConfig):
 class LLaDA2MoeConfig(PretrainedConfig):
     """The published ``configuration_llada2_moe.py`` fields and defaults (``use_qk_norm``
     True, as the published forward always normalises q/k), plus the router fields the
-    published checkpoints carry as extra keys and the diffusion ones (``block_size``,
-    ``mask_token_id``: None unless the checkpoint names them; real ones carry neither)."""
+    published checkpoints carry as extra keys, and the diffusion ones: ``block_size``
+    (LLaDA2's published 32 unless the checkpoint names one) and ``mask_token_id`` (None
+    unless named: real checkpoints carry neither; the tokenizer's ``<|mask|>`` is used)."""
 
     model_type = "llada2_moe"
     keys_to_ignore_at_inference = ["past_key_values"]
@@ -56,7 +57,7 @@ class LLaDA2MoeConfig(PretrainedConfig):
                  first_k_dense_replace=0, head_dim=None, output_router_logits=False,
                  partial_rotary_factor=0.5, rotary_dim=None, norm_topk_prob=True,
                  score_function="sigmoid", router_dtype="fp32",
-                 moe_router_enable_expert_bias=True, block_size=None, mask_token_id=None,
+                 moe_router_enable_expert_bias=True, block_size=32, mask_token_id=None,
                  **kwargs):
         self.vocab_size = vocab_size
         self.hidden_size = hidden_size

@@ -31,7 +31,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from vllm_diffusion.attention.sparse_prefix import PrefixScoring, PrefixSparsity
+from vllm_diffusion.attention.sparse_prefix import PrefixScoring, PrefixSparsity, RowSplit
 from vllm_diffusion.options import OptionError, Rule, option
 from vllm_diffusion.policies.base import ForwardStep, LayerHooks, LayerInput, StepHooks
 from vllm_diffusion.policies.standard import StrategyConfig, StrategyPolicy
@@ -80,6 +80,9 @@ class SparsePrefixHooks(StepHooks):
                             for s in step.requests]
         self.scoring = scoring
         self.sparse = [index for index, _ in sparse]
+        # The same rows attend sparsely at every layer: split them once for the step.
+        self.split = RowSplit.of([0] + [s.rows.stop for s in step.requests], self.block_rows,
+                                 self.sparse, step.device) if sparse else None
         self.kept = None  # [R_sparse, L, H_kv, K] int64
         if sparse:
             lists = [request.policy_state.kept for _, request in sparse]
@@ -96,7 +99,8 @@ class SparsePrefixHooks(StepHooks):
                                  _recorder(request.policy_state, layer))
                    for index, request, keep in self.scoring]
         return PrefixSparsity(self.block_rows, self.prefix_lens, self.sparse,
-                              None if self.kept is None else self.kept[:, layer], scoring)
+                              None if self.kept is None else self.kept[:, layer], scoring,
+                              self.split)
 
 
 def _recorder(state: SparsePrefixState, layer: int):

@@ -202,9 +202,7 @@ class StrategyPolicy(DecodingPolicy):
                 & (batch.confidence > limit[:, None]))
 
     def block_ends(self, request: DiffusionRequest, edited: bool) -> bool:
-        config = request.policy_config
-        return (config.editing_threshold is None or not edited
-                or request.canvas.post_steps >= config.max_post_steps)
+        return not edited or request.canvas.post_steps >= request.policy_config.max_post_steps
 
     def choose_commits(self, batch: CommitBatch) -> torch.Tensor:
         configs = [r.policy_config for r in batch.requests]

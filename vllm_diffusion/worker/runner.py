@@ -284,6 +284,9 @@ class DiffusionRunnerMixin:
         else:
             edits = torch.zeros_like(commits)
         num_decoded = commits.sum(dim=1).tolist()
+        no_mask_left = (tokens_after != mask_id).all(dim=1).tolist()
+        edited = edits.any(dim=1).tolist()
+        began_unmasked = (~masked.any(dim=1)).tolist()
         token_lists = tokens_after.tolist()
         sampled: dict[str, list[int]] = {}
         step_maps: dict[str, list[int]] = {}
@@ -294,6 +297,7 @@ class DiffusionRunnerMixin:
             try:
                 sampled[req_id] = self._unmask(block, state, commits[i], edits[i],
                                                num_decoded[i], tokens_after[i], token_lists[i],
+                                               no_mask_left[i], edited[i], began_unmasked[i],
                                                masked[i], computed[i])
             except Exception as err:  # noqa: BLE001 - isolated to this request
                 failed[req_id] = self._fail_request(req_id, "unmasking its block", err)
@@ -322,29 +326,28 @@ class DiffusionRunnerMixin:
 
     def _unmask(self, block: DenoisedBlock, state: Any, commit: torch.Tensor,
                 edit: torch.Tensor, num_decoded: int, tokens_after: torch.Tensor,
-                token_list: list[int], masked: torch.Tensor, computed: torch.Tensor
+                token_list: list[int], no_mask_left: bool, edited: bool,
+                began_unmasked: bool, masked: torch.Tensor, computed: torch.Tensor
                 ) -> list[int]:
         """Apply one request's commits and edits ([B] bool; ``num_decoded`` commits;
         ``tokens_after``/``token_list``: its block after them) and return its newly final
         tokens: the decoded run after its known tokens, or, when its tokens may still
         change (editing), the whole block once it ends."""
         request, canvas = block.rows.request, block.rows.canvas
-        mask_id = self.diffusion.mask_token_id
-        edited = bool(edit.any())
-        canvas.commit(commit | edit, tokens_after, began_unmasked=not bool(masked.any()))
-        block_done = (not bool((tokens_after == mask_id).any())
-                      and self.policy.block_ends(request, edited))
+        canvas.commit(commit | edit, tokens_after, began_unmasked=began_unmasked)
+        block_done = no_mask_left and self.policy.block_ends(request, edited)
         self.policy.after_step(request, masked, computed, num_decoded)
         if self.importance_recorder is not None:
             self.importance_recorder.record(request, masked, commit)
         if block_done:
             self.policy.on_block_complete(request)
-        if not block_done and self.policy.edits_tokens(request):
-            token_list = [mask_id] * len(token_list)  # nothing is final before the block ends
         num_known = len(state.prompt_token_ids) + len(state.output_token_ids)
-        final = truncate_at_stop(
-            emit_final_tokens(token_list, canvas.start, num_known, self.diffusion.mask_token_id),
-            state.sampling_params, len(state.output_token_ids))
+        if not block_done and self.policy.edits_tokens(request):
+            decoded = []  # its tokens may still change until the block ends
+        else:
+            decoded = emit_final_tokens(token_list, canvas.start, num_known,
+                                        self.diffusion.mask_token_id)
+        final = truncate_at_stop(decoded, state.sampling_params, len(state.output_token_ids))
         if request.wants_step_map:
             request.step_map.extend(decode_steps(canvas, num_known, len(final)))
         state.output_token_ids.extend(final)
