@@ -15,7 +15,7 @@ import json
 import pytest
 
 from vllm_diffusion.default_model import TRAINED_CHECKPOINT
-from vllm_diffusion.quality.harness import INSTRUCTION_FAMILIES, run
+from vllm_diffusion.quality.harness import INSTRUCTION_FAMILIES, run, wilson_interval
 
 pytestmark = pytest.mark.engine
 
@@ -54,6 +54,18 @@ def test_harness_reports_the_work_done(runs):
     assert (standard["later_layer_positions_per_committed_token"]
             == standard["block_positions_per_committed_token"])
     assert standard["output_tokens"] > 0 and standard["wall_time_s"] > 0
+    for family, (low, high) in standard["interval_95"].items():
+        assert low <= standard["accuracy"][family] <= high, family
+        assert sum(standard["correct_by_problem"][family]) == standard["correct"][family][0]
+
+
+@pytest.mark.parametrize("successes, trials, expected", [
+    (0, 10, (0.0, 0.278)),      # upper bound z^2 / (n + z^2)
+    (60, 60, (0.94, 1.0)),      # lower bound n / (n + z^2)
+    (30, 60, (0.377, 0.623)),   # symmetric about one half
+])
+def test_wilson_interval(successes, trials, expected):
+    assert wilson_interval(successes, trials) == pytest.approx(expected, abs=1e-3)
 
 
 def test_focus_keeps_accuracy_with_less_later_layer_work(runs):

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import pathlib
 import time
 from collections import defaultdict
@@ -29,6 +30,16 @@ def chat_prompts(tokenizer: Any, examples: list) -> list[str]:
     return [tokenizer.apply_chat_template([{"role": "user", "content": e.prompt}],
                                           tokenize=False, add_generation_prompt=True)
             for e in examples]
+
+
+def wilson_interval(successes: int, trials: int, z: float = 1.96) -> tuple[float, float]:
+    """95% Wilson score interval of a binomial proportion (sensible at 0 and n successes)."""
+    if trials == 0:
+        return 0.0, 1.0
+    p = successes / trials
+    centre = (p + z * z / (2 * trials)) / (1 + z * z / trials)
+    half = z * math.sqrt(p * (1 - p) / trials + z * z / (4 * trials * trials)) / (1 + z * z / trials)
+    return round(max(0.0, centre - half), 3), round(min(1.0, centre + half), 3)
 
 
 def evaluate(llm: Any, examples: list, options: dict[str, Any], max_tokens: int) -> dict:
@@ -53,7 +64,11 @@ def evaluate(llm: Any, examples: list, options: dict[str, Any], max_tokens: int)
     return {
         "accuracy": accuracy,
         "correct": {family: [sum(v), len(v)] for family, v in sorted(correct.items())},
+        "interval_95": {family: wilson_interval(sum(v), len(v)) for family, v in sorted(correct.items())},
         "instruction_accuracy": sum(instructions) / max(len(instructions), 1),
+        "instruction_interval_95": wilson_interval(sum(instructions), len(instructions)),
+        # per problem, in evaluation-split order: paired comparisons between option sets
+        "correct_by_problem": {family: [int(ok) for ok in v] for family, v in sorted(correct.items())},
         "requests": len(prompts),
         "output_tokens": sum(len(o.outputs[0].token_ids) for o in outputs),
         "tokens_committed_per_denoising_step": stats["tokens_committed_per_denoising_step"],
@@ -128,6 +143,7 @@ def main() -> None:
     for r in runs:
         print(f"block {r['block_size']:>2} {r['policy']} {json.dumps(r['options'])}: "
               + ", ".join(f"{f} {a:.2f}" for f, a in r["accuracy"].items())
+              + f" | instructions {r['instruction_accuracy']:.2f} {r['instruction_interval_95']}"
               + f" | tokens/step {r['tokens_committed_per_denoising_step']:.2f}"
               f" | positions/token {r['block_positions_per_committed_token']:.2f}"
               f" (later layers {r['later_layer_positions_per_committed_token']:.2f})"
