@@ -20,7 +20,7 @@ once per configuration). The default strategy commits one position per step (``l
 ``denoising_steps`` = block size: the papers' steps = generation length regime), so most
 of a block's steps come after the selection step.
 
-    python benchmarks/long_context.py --model training/sdar-small-chat \
+    python benchmarks/long_context.py --model training/sdar-small-scratch \
         --lengths 1024 2048 3968 --block-size 32 --ratios 0.5 0.3 0.1
 writes results/long_context.json and .png.
 """
@@ -146,7 +146,7 @@ def plot(cells: list[dict], path: pathlib.Path) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default=str(ROOT / "training/sdar-small-chat"))
+    parser.add_argument("--model", default=str(ROOT / "training/sdar-small-scratch"))
     # 3,968: the longest prompt that leaves room for 64 output tokens and block padding in
     # a 4,096-position context
     parser.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048, 3968])

@@ -1,10 +1,11 @@
-"""The embedded trained checkpoint, through the quality harness (CI-sized).
+"""The embedded trained checkpoints, through the quality harness (CI-sized).
 
 The standard policy, greedy, on the held-out evaluation split is far above chance: an
 exact-match answer (a sorted list, a spelled word, a JSON object, the final number of a
 worked sum) is essentially never produced by guessing, so the bounds below are well above
-zero yet under what the committed checkpoint reaches (``benchmarks/RESULTS.md`` quotes
-its full-harness accuracy). FOCUS on the same prompts keeps most of that accuracy while
+zero yet a little under what the committed checkpoints reach on these problems
+(``benchmarks/RESULTS.md`` quotes their full-harness accuracy). The tiny model runs the
+policy checks; the default 12-layer model gets its own floor. FOCUS on the same prompts keeps most of that accuracy while
 sending fewer block positions through the layers after its eviction point.
 """
 
@@ -14,12 +15,13 @@ import json
 
 import pytest
 
-from vllm_diffusion.default_model import TRAINED_CHECKPOINT
+from vllm_diffusion.default_model import DEFAULT_CHECKPOINT, TINY_CHECKPOINT
 from vllm_diffusion.quality.harness import INSTRUCTION_FAMILIES, run, wilson_interval
 
 pytestmark = pytest.mark.engine
 
 PER_FAMILY = 10
+ARITHMETIC_FLOOR, INSTRUCTION_FLOOR = 0.8, 0.7  # the default model's, at block 4
 
 # FOCUS's default unmasking (the paper's), and the same rule without eviction.
 FOCUS = {"diffusion_policy": "focus"}
@@ -29,8 +31,8 @@ STANDARD_LIKE_FOCUS = {"strategy": "threshold", "threshold": 0.8}
 @pytest.fixture(scope="module")
 def runs() -> dict[tuple[int, str], dict]:
     # The checkpoint is part of the repository; without it the project has no real model.
-    assert (TRAINED_CHECKPOINT / "model.safetensors").exists(), TRAINED_CHECKPOINT
-    results = run(str(TRAINED_CHECKPOINT), [4, 16], [{}, STANDARD_LIKE_FOCUS, FOCUS], PER_FAMILY)
+    assert (TINY_CHECKPOINT / "model.safetensors").exists(), TINY_CHECKPOINT
+    results = run(str(TINY_CHECKPOINT), [4, 16], [{}, STANDARD_LIKE_FOCUS, FOCUS], PER_FAMILY)
     return {(r["block_size"], json.dumps(r["options"], sort_keys=True)): r for r in results}
 
 
@@ -41,8 +43,9 @@ def pick(runs, block_size: int, options: dict) -> dict:
 def test_standard_greedy_is_far_above_chance(runs):
     standard = pick(runs, 4, {})
     assert standard["requests"] == PER_FAMILY * (len(INSTRUCTION_FAMILIES) + 1)
-    assert standard["accuracy"]["arithmetic"] >= 0.5, standard["accuracy"]
-    assert standard["instruction_accuracy"] >= 0.45, standard["accuracy"]
+    # These 10 problems per family at block 4, measured: arithmetic 1.0, instructions 0.78.
+    assert standard["accuracy"]["arithmetic"] >= 0.8, standard["accuracy"]
+    assert standard["instruction_accuracy"] >= 0.65, standard["accuracy"]
     assert standard["accuracy"]["repeat"] >= 0.8, standard["accuracy"]
 
 
@@ -74,3 +77,13 @@ def test_focus_keeps_accuracy_with_less_later_layer_work(runs):
             < standard["later_layer_positions_per_committed_token"])
     total = lambda r: sum(r["accuracy"].values())  # noqa: E731
     assert total(focus) >= 0.7 * total(standard), (focus["accuracy"], standard["accuracy"])
+
+
+def test_default_model_quality_floor():
+    """The default 12-layer model at block 4 (the same 10 held-out problems per family):
+    floors a little under what it reaches (measured: arithmetic 1.0, instructions 0.83;
+    60 problems per family in ``benchmarks/RESULTS.md``)."""
+    assert (DEFAULT_CHECKPOINT / "model.safetensors").exists(), DEFAULT_CHECKPOINT
+    (standard,) = run(str(DEFAULT_CHECKPOINT), [4], [{}], PER_FAMILY)
+    assert standard["accuracy"]["arithmetic"] >= ARITHMETIC_FLOOR, standard["accuracy"]
+    assert standard["instruction_accuracy"] >= INSTRUCTION_FLOOR, standard["accuracy"]

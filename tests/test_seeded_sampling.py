@@ -14,7 +14,7 @@ from conftest import diffusion_llm
 
 from vllm import SamplingParams
 
-from vllm_diffusion.default_model import default_model_path
+from vllm_diffusion.default_model import TINY_CHECKPOINT
 from vllm_diffusion.quality.corpus import eval_examples
 from vllm_diffusion.quality.harness import chat_prompts
 
@@ -28,7 +28,7 @@ def test_seeded_sampled_outputs_are_unchanged(policy):
               SamplingParams(temperature=1.0, top_k=20, seed=2, max_tokens=24),
               SamplingParams(temperature=0.9, top_p=0.85, seed=3, max_tokens=24),
               SamplingParams(temperature=0, max_tokens=24)]
-    with diffusion_llm(str(default_model_path()), diffusion_block_size=4,
+    with diffusion_llm(str(TINY_CHECKPOINT), diffusion_block_size=4,
                        additional_config={"diffusion_policy": policy}) as llm:
         prompts = chat_prompts(llm.get_tokenizer(), eval_examples(1))[:4]
         outputs = llm.generate(prompts, params, use_tqdm=False)

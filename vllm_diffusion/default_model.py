@@ -1,8 +1,11 @@
-"""The embedded default model used by the README's main job and the benchmarks.
+"""The embedded models: the default one used by the README's main job and the benchmarks,
+and the tiny one the fast tests and the CI quality test use.
 
-The project's trained checkpoint (``vllm_diffusion/checkpoints/sdar-tiny-chat``) when it is
-present, else a tiny seeded random SDAR checkpoint built on first use (deterministic, a
-few hundred kB) under ``$VLLM_DIFFUSION_CACHE`` (default ``~/.cache/vllm-diffusion``).
+``vllm_diffusion/checkpoints/sdar-small-chat`` (12 layers) is the default;
+``vllm_diffusion/checkpoints/sdar-tiny-chat`` (4 layers) is the tiny one. Without either
+(a source tree stripped of its weights), a tiny seeded random SDAR checkpoint is built on
+first use (deterministic, a few hundred kB) under ``$VLLM_DIFFUSION_CACHE`` (default
+``~/.cache/vllm-diffusion``).
 """
 
 from __future__ import annotations
@@ -10,12 +13,15 @@ from __future__ import annotations
 import os
 import pathlib
 
-TRAINED_CHECKPOINT = pathlib.Path(__file__).parent / "checkpoints" / "sdar-tiny-chat"
+CHECKPOINTS = pathlib.Path(__file__).parent / "checkpoints"
+DEFAULT_CHECKPOINT = CHECKPOINTS / "sdar-small-chat"
+TINY_CHECKPOINT = CHECKPOINTS / "sdar-tiny-chat"
 
 
 def default_model_path() -> pathlib.Path:
-    if (TRAINED_CHECKPOINT / "model.safetensors").exists():
-        return TRAINED_CHECKPOINT
+    for checkpoint in (DEFAULT_CHECKPOINT, TINY_CHECKPOINT):
+        if (checkpoint / "model.safetensors").exists():
+            return checkpoint
     from vllm_diffusion.testing.tiny_sdar import build_tiny_sdar
 
     cache = pathlib.Path(os.environ.get("VLLM_DIFFUSION_CACHE",
