@@ -15,11 +15,14 @@ from __future__ import annotations
 import argparse
 import json
 import re
-import shutil
+import sys
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from cast_checkpoint import write_checkpoint  # noqa: E402
 
 LAYER_KEY = re.compile(r"model\.layers\.(\d+)\.(.+)")
 ZEROED_PROJECTIONS = ("self_attn.o_proj.weight", "mlp.down_proj.weight")
@@ -55,9 +58,6 @@ def grow_state_dict(source: dict[str, torch.Tensor], fresh: dict[str, torch.Tens
 
 
 def main() -> None:
-    import sys
-
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
     from sample_sdar import qwen3_config_from_sdar
     from transformers import Qwen3ForCausalLM
 
@@ -72,7 +72,8 @@ def main() -> None:
     if args.new_layers_after_each < 1:
         raise SystemExit("--new-layers-after-each must be at least 1")
     config = json.loads((args.src / "config.json").read_text())
-    sources = grown_layer_sources(config["num_hidden_layers"], args.new_layers_after_each)
+    source_layers = config["num_hidden_layers"]
+    sources = grown_layer_sources(source_layers, args.new_layers_after_each)
     config.update(num_hidden_layers=len(sources), max_window_layers=len(sources),
                   torch_dtype="float32")
     if args.max_position_embeddings is not None:
@@ -80,17 +81,9 @@ def main() -> None:
     torch.manual_seed(args.seed)
     fresh = Qwen3ForCausalLM(qwen3_config_from_sdar(config)).state_dict()
     source = {name: t.float() for name, t in load_file(args.src / "model.safetensors").items()}
-    grown = grow_state_dict(source, fresh, sources)
-    args.dst.mkdir(parents=True, exist_ok=True)
-    for path in args.src.iterdir():
-        if path.is_file() and path.name not in ("model.safetensors", "config.json"):
-            shutil.copy2(path, args.dst / path.name)
-    (args.dst / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    save_file({n: t.contiguous() for n, t in grown.items()}, args.dst / "model.safetensors",
-              metadata={"format": "pt"})
-    print(f"{args.src} ({len(sources) // (args.new_layers_after_each + 1)} layers) -> {args.dst} "
-          f"({len(sources)} layers; sources {sources})")
-
+    write_checkpoint(args.src, args.dst, config, grow_state_dict(source, fresh, sources))
+    print(f"{args.src} ({source_layers} layers) -> {args.dst} ({len(sources)} layers; "
+          f"sources {sources})")
 
 if __name__ == "__main__":
     main()
