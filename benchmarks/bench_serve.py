@@ -13,45 +13,8 @@ from __future__ import annotations
 import argparse
 import json
 import pathlib
-import subprocess
 
 DATASETS = ("random", "sharegpt")
-
-
-def write_sharegpt(path: pathlib.Path, num_conversations: int) -> None:
-    from vllm_diffusion.quality.corpus import mixed_eval_examples
-
-    conversations = [{"id": str(i), "conversations": [
-        {"from": "human", "value": e.prompt}, {"from": "gpt", "value": e.answer}]}
-        for i, e in enumerate(mixed_eval_examples(num_conversations))]
-    path.write_text(json.dumps(conversations))
-
-
-def bench(url: str, model: str, dataset: str, rate: str, args, out_dir: pathlib.Path,
-          sharegpt: pathlib.Path) -> dict:
-    from vllm_diffusion.testing.server import vllm_command
-
-    name = f"{dataset}_rate{rate}.json"
-    command = [vllm_command(), "bench", "serve", "--backend", "vllm", "--base-url", url,
-               "--model", model, "--num-prompts", str(args.num_prompts),
-               "--request-rate", rate, "--percentile-metrics", "ttft,tpot,itl,e2el",
-               "--metric-percentiles", "50,90,99", "--save-result",
-               "--result-dir", str(out_dir), "--result-filename", name, "--disable-tqdm",
-               "--seed", "0"]
-    if dataset == "random":
-        command += ["--dataset-name", "random", "--random-input-len", str(args.input_len),
-                    "--random-output-len", str(args.output_len), "--ignore-eos"]
-    else:
-        command += ["--dataset-name", "sharegpt", "--dataset-path", str(sharegpt)]
-    subprocess.run(command, check=True, stdout=subprocess.DEVNULL, timeout=1800)
-    result = json.loads((out_dir / name).read_text())
-    return {"dataset": dataset, "request_rate": rate,
-            **{k: result.get(k) for k in (
-                "completed", "failed", "duration", "total_output_tokens", "output_throughput",
-                "request_throughput", "mean_ttft_ms", "p90_ttft_ms", "mean_tpot_ms",
-                "p90_tpot_ms", "p90_itl_ms", "p90_e2el_ms")},
-            "diffusion": {k: v for k, v in result.items() if "diffusion" in k or "committed" in k
-                          or "denois" in k}}
 
 
 def plot(summary: list[dict], path: pathlib.Path, title: str) -> None:
@@ -88,7 +51,8 @@ def main() -> None:
     args = parser.parse_args()
 
     from vllm_diffusion.default_model import default_model_path
-    from vllm_diffusion.testing.server import vllm_server
+    from vllm_diffusion_lab.bench import run_bench_serve, write_sharegpt
+    from vllm_diffusion_lab.fixtures.server import vllm_server
 
     model = args.model or str(default_model_path())
     out_dir = pathlib.Path(args.out_dir)
@@ -102,7 +66,9 @@ def main() -> None:
                      log_path=out_dir / "server.log") as url:
         for dataset in DATASETS:
             for rate in args.rates:
-                summary.append(bench(url, model, dataset, rate, args, out_dir, sharegpt))
+                summary.append(run_bench_serve(
+                    url, model, dataset, rate, out_dir, sharegpt, num_prompts=args.num_prompts,
+                    input_len=args.input_len, output_len=args.output_len))
                 print(json.dumps({k: summary[-1][k] for k in (
                     "dataset", "request_rate", "completed", "output_throughput", "p90_tpot_ms")}))
     report = {"model": model, "policy": args.policy, "block_size": args.block_size,

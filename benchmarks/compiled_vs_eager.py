@@ -63,9 +63,9 @@ def main() -> None:
     args = parser.parse_args()
 
     from vllm_diffusion.default_model import default_model_path
-    from vllm_diffusion.offline import diffusion_llm
-    from vllm_diffusion.quality.corpus import mixed_eval_examples
-    from vllm_diffusion.quality.harness import chat_prompts
+    from vllm_diffusion_lab.offline import diffusion_llm
+    from vllm_diffusion_lab.quality.corpus import mixed_eval_examples
+    from vllm_diffusion_lab.quality.harness import chat_prompts
 
     model = str(args.model or default_model_path())
     examples = mixed_eval_examples(max(args.batch_sizes))

@@ -150,18 +150,19 @@ def main() -> None:
     from vllm import LLM, SamplingParams
 
     from vllm_diffusion.default_model import default_model_path
-    from vllm_diffusion.quality.corpus import eval_examples
-    from vllm_diffusion.quality.harness import chat_prompts
+    from vllm_diffusion_lab.quality.corpus import eval_examples
+    from vllm_diffusion_lab.quality.harness import chat_prompts
+    from vllm_diffusion_lab.recording import start_importance_recording, take_importance_records
 
     model = args.model or str(default_model_path())
     llm = LLM(model=model, dtype="float32", enforce_eager=True, seed=0, max_model_len=1024,
               additional_config={"diffusion_block_size": args.block_size,
                                  "threshold": args.threshold})
     prompts = chat_prompts(llm.get_tokenizer(), eval_examples(args.per_family))
-    llm.collective_rpc("start_importance_recording")
+    start_importance_recording(llm)
     outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=128),
                            use_tqdm=False)
-    records = llm.collective_rpc("take_importance_records")[0]
+    records = take_importance_records(llm)
     answer_ends = {o.request_id: len(o.prompt_token_ids) + len(o.outputs[0].token_ids)
                    for o in outputs}
     report = {"model": model, "model_name": pathlib.Path(model).name,

@@ -27,7 +27,7 @@ POLICIES = ("standard", "focus")
 def run_cell(llm, prompts: list[str], max_tokens: int, options: dict) -> dict:
     from vllm import SamplingParams
 
-    from vllm_diffusion.offline import stats_delta
+    from vllm_diffusion_lab.offline import stats_delta
 
     params = SamplingParams(temperature=0, max_tokens=max_tokens, extra_args=options or None)
     before = llm.collective_rpc("diffusion_stats")[0]
@@ -94,9 +94,9 @@ def main() -> None:
     args = parser.parse_args()
 
     from vllm_diffusion.default_model import default_model_path
-    from vllm_diffusion.offline import diffusion_llm
-    from vllm_diffusion.quality.corpus import mixed_eval_examples, score
-    from vllm_diffusion.quality.harness import chat_prompts
+    from vllm_diffusion_lab.offline import diffusion_llm
+    from vllm_diffusion_lab.quality.corpus import mixed_eval_examples, score
+    from vllm_diffusion_lab.quality.harness import chat_prompts
 
     model = str(args.model or default_model_path())
     examples = mixed_eval_examples(max(args.batch_sizes))

@@ -41,24 +41,22 @@ def main() -> None:
 
     from vllm import SamplingParams
 
-    from vllm_diffusion.attention.backend import BlockDiffusionMetadata
-    from vllm_diffusion.models import decoder_stack
-    from vllm_diffusion.policies.focus import hooks
     from vllm_diffusion.default_model import default_model_path
-    from vllm_diffusion.offline import diffusion_llm
-    from vllm_diffusion.quality.corpus import mixed_eval_examples
-    from vllm_diffusion.quality.harness import chat_prompts
+    from vllm_diffusion.models.step_run import StepRun
+    from vllm_diffusion.policies.focus import hooks
+    from vllm_diffusion.step.rows import StepRows
+    from vllm_diffusion_lab.offline import diffusion_llm
+    from vllm_diffusion_lab.quality.corpus import mixed_eval_examples
+    from vllm_diffusion_lab.quality.harness import chat_prompts
 
     totals: collections.Counter = collections.Counter()
     hooks.FocusStepHooks.__init__ = timed(totals, "hook_setup", hooks.FocusStepHooks.__init__)
     hooks.FocusStepHooks.before_attention = timed(
         totals, "importance_and_selection", hooks.FocusStepHooks.before_attention)
     for name in ("keep_queries", "keep_keys"):
-        setattr(BlockDiffusionMetadata, name, timed(totals, "metadata_compaction",
-                                                    getattr(BlockDiffusionMetadata, name)))
-    compaction = decoder_stack.compaction_kernel
-    decoder_stack.compaction_kernel = lambda device: timed(
-        totals, "row_compaction", compaction(device))
+        setattr(StepRows, name, timed(totals, "metadata_compaction",
+                                      getattr(StepRows, name)))
+    StepRun._keep = timed(totals, "row_compaction", StepRun._keep)
     model = str(args.model or default_model_path())
     with diffusion_llm(model, diffusion_block_size=args.block_size, max_model_len=1024,
                        max_num_seqs=args.batch_size,

@@ -2,7 +2,7 @@
 by side in one run.
 
 For each prompt length (in tokens, with the chat template), ``--problems`` held-out
-retrieval problems (``quality/retrieval.py``: secret numbers planted in filler text, one
+retrieval problems (``vllm_diffusion_lab/quality/retrieval.py``: secret numbers planted in filler text, one
 asked for) are submitted at once, greedily, through a ``standard`` engine and a
 ``sparse_prefix`` engine (the ratios as per-request options). Reported per cell:
 
@@ -20,9 +20,13 @@ once per configuration). The default strategy commits one position per step (``l
 ``denoising_steps`` = block size: the papers' steps = generation length regime), so most
 of a block's steps come after the selection step.
 
-    python benchmarks/long_context.py --model training/sdar-small-scratch \
+    python benchmarks/long_context.py [--model DIR] \
         --lengths 1024 2048 3968 --block-size 32 --ratios 0.5 0.3 0.1
-writes results/long_context.json and .png.
+writes results/long_context.json and .png. Without ``--model`` it runs the default model
+(``vllm_diffusion.default_model``). The figures in ``benchmarks/RESULTS.md`` were made with
+the 12-layer model trained from scratch (``sdar-small-scratch``, whose weights are not kept
+in the repository); its five stages are reproducible with the commands in
+``training/README.md``, then ``--model`` pointing at the result.
 """
 
 from __future__ import annotations
@@ -31,11 +35,9 @@ import argparse
 import json
 import pathlib
 import statistics
-import sys
 import time
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 TOKENS_PER_WORD = 1.22  # the project tokenizer on filler text (measured)
 
@@ -85,7 +87,7 @@ class StepTimes:
 
 def problems(tokenizer, length: int, count: int, seed: int) -> tuple[list[str], list[str]]:
     """``count`` held-out retrieval problems whose chat prompts are about ``length`` tokens."""
-    from vllm_diffusion.quality.retrieval import retrieval_examples
+    from vllm_diffusion_lab.quality.retrieval import retrieval_examples
 
     words = max(0, round((length - 40) / TOKENS_PER_WORD))
     examples = retrieval_examples(count, seed, (words, words))
@@ -146,7 +148,7 @@ def plot(cells: list[dict], path: pathlib.Path) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default=str(ROOT / "training/sdar-small-scratch"))
+    parser.add_argument("--model", default=None, help="default: the default model")
     # 3,968: the longest prompt that leaves room for 64 output tokens and block padding in
     # a 4,096-position context
     parser.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048, 3968])
@@ -158,8 +160,10 @@ def main() -> None:
     parser.add_argument("--out", type=pathlib.Path, default=ROOT / "results/long_context.json")
     args = parser.parse_args()
 
-    from vllm_diffusion.offline import diffusion_llm
+    from vllm_diffusion.default_model import default_model_path
+    from vllm_diffusion_lab.offline import diffusion_llm
 
+    args.model = args.model or str(default_model_path())
     strategy = {"strategy": args.strategy, "denoising_steps": args.block_size}
     context = json.loads((pathlib.Path(args.model) / "config.json").read_text())[
         "max_position_embeddings"]

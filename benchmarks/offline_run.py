@@ -30,9 +30,9 @@ def main() -> None:
     from vllm import SamplingParams
 
     from vllm_diffusion.default_model import default_model_path
-    from vllm_diffusion.offline import diffusion_llm, stats_delta
-    from vllm_diffusion.quality.corpus import mixed_eval_examples
-    from vllm_diffusion.quality.harness import chat_prompts
+    from vllm_diffusion_lab.offline import diffusion_llm, stats_delta
+    from vllm_diffusion_lab.quality.corpus import mixed_eval_examples
+    from vllm_diffusion_lab.quality.harness import chat_prompts
 
     model = str(args.model or default_model_path())
     with diffusion_llm(model, diffusion_block_size=args.block_size, max_model_len=1024,

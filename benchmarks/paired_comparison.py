@@ -6,7 +6,7 @@ set does not, ``gained`` the reverse, and the exact two-sided McNemar (sign) tes
 discordant pairs says whether the difference is more than chance. With 60 problems per
 family a difference of a few problems is usually not.
 
-    python -m vllm_diffusion.quality.harness ... --out results/focus_split_small.json
+    python -m vllm_diffusion_lab.quality.harness ... --out results/focus_split_small.json
     python benchmarks/paired_comparison.py results/focus_split_small.json \
         --baseline '{"strategy": "threshold", "threshold": 0.8}'
 

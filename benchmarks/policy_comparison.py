@@ -54,7 +54,7 @@ def run_policy(llm, examples: list, max_tokens: int) -> dict:
     accuracy over families, throughput and the per-layer work grouped."""
     from vllm import SamplingParams
 
-    from vllm_diffusion.quality.harness import chat_prompts, evaluate
+    from vllm_diffusion_lab.quality.harness import chat_prompts, evaluate
 
     warm_up = chat_prompts(llm.get_tokenizer(), examples[:4])
     llm.generate(warm_up, SamplingParams(temperature=0, max_tokens=max_tokens), use_tqdm=False)
@@ -121,9 +121,9 @@ def main() -> None:
     args = parser.parse_args()
 
     from vllm_diffusion.default_model import default_model_path
-    from vllm_diffusion.offline import diffusion_llm
     from vllm_diffusion.policies import POLICIES
-    from vllm_diffusion.quality.corpus import eval_examples
+    from vllm_diffusion_lab.offline import diffusion_llm
+    from vllm_diffusion_lab.quality.corpus import eval_examples
 
     model = str(args.model or default_model_path())
     policies = args.policies or list(POLICIES)

@@ -20,12 +20,9 @@ import argparse
 import json
 import os
 import pathlib
-import sys
 import tempfile
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "benchmarks"))
 
 
 def server_args(name: str, profile: str | None) -> list[str]:
@@ -51,11 +48,9 @@ def main() -> None:
     args = parser.parse_args()
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # the same KV budget for every server
 
-    from bench_serve import bench, write_sharegpt
-    from throughput_vs_ar import autoregressive_copy
-
     from vllm_diffusion.default_model import default_model_path
-    from vllm_diffusion.testing.server import vllm_server
+    from vllm_diffusion_lab.bench import autoregressive_copy, run_bench_serve, write_sharegpt
+    from vllm_diffusion_lab.fixtures.server import vllm_server
 
     if args.latency_profile:
         args.latency_profile = str(pathlib.Path(args.latency_profile).resolve())
@@ -76,7 +71,10 @@ def main() -> None:
                              log_path=out / "server.log", startup_timeout=600) as url:
                 runs[name] = []
                 for rate in args.rates:
-                    result = bench(url, str(served), "random", rate, args, out, sharegpt)
+                    result = run_bench_serve(
+                        url, str(served), "random", rate, out, sharegpt,
+                        num_prompts=args.num_prompts, input_len=args.input_len,
+                        output_len=args.output_len)
                     runs[name].append(result)
                     print(json.dumps({"config": name, "rate": rate,
                                       "output_tokens_per_s": result["output_throughput"],

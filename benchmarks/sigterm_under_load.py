@@ -19,16 +19,15 @@ import os
 import pathlib
 import signal
 import subprocess
-import sys
 import threading
 import time
 
 import requests
 
+from vllm_diffusion.default_model import default_model_path
+from vllm_diffusion_lab.fixtures.server import free_port, vllm_command
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-from vllm_diffusion.default_model import default_model_path  # noqa: E402
-from vllm_diffusion.testing.server import free_port, vllm_command  # noqa: E402
 
 
 def start_server(model: str, policy: str, port: int, log: pathlib.Path) -> subprocess.Popen:

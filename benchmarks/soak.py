@@ -24,17 +24,16 @@ import pathlib
 import random
 import re
 import statistics
-import sys
 import threading
 import time
 
 import psutil
 import requests
 
+from vllm_diffusion.default_model import default_model_path
+from vllm_diffusion_lab.fixtures.server import vllm_server_process
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-from vllm_diffusion.default_model import default_model_path  # noqa: E402
-from vllm_diffusion.testing.server import vllm_server_process  # noqa: E402
 
 NAN = float("nan")
 BAD_FIELDS = [

@@ -17,11 +17,9 @@ from __future__ import annotations
 import argparse
 import json
 import pathlib
-import sys
 import time
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 
 class StepTimer:
@@ -69,8 +67,8 @@ def main() -> None:
     from vllm import SamplingParams
 
     from vllm_diffusion.default_model import default_model_path
-    from vllm_diffusion.offline import diffusion_llm
-    from vllm_diffusion.quality.corpus import mixed_eval_examples
+    from vllm_diffusion_lab.offline import diffusion_llm
+    from vllm_diffusion_lab.quality.corpus import mixed_eval_examples
 
     model = default_model_path()
     rows = []

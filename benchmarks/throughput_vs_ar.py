@@ -31,14 +31,11 @@ import argparse
 import json
 import os
 import pathlib
-import shutil
 import statistics
-import sys
 import tempfile
 import time
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 # name: (diffusion block size, engine additional_config, per-request options); None: AR
 CONFIGS = {
@@ -59,18 +56,6 @@ CONFIGS = {
 }
 ELASTIC = [name for name, config in CONFIGS.items()
            if config is not None and config[1]["diffusion_policy"] == "elastic"]
-
-
-def autoregressive_copy(checkpoint: pathlib.Path, into: pathlib.Path) -> pathlib.Path:
-    """The checkpoint with its config naming Qwen3 (the same weights, decoded AR)."""
-    target = into / "autoregressive"
-    shutil.copytree(checkpoint, target)
-    config = json.loads((target / "config.json").read_text())
-    config.update(architectures=["Qwen3ForCausalLM"], model_type="qwen3")
-    for key in ("block_size", "mask_token_id"):
-        config.pop(key, None)
-    (target / "config.json").write_text(json.dumps(config, indent=2))
-    return target
 
 
 LARGE_SHAPE = {"num_layers": 12, "hidden_size": 768, "num_heads": 12, "num_kv_heads": 4,
@@ -95,7 +80,7 @@ def open_engine(name: str, model: pathlib.Path, ar_model: pathlib.Path, ar_eager
                 max_num_seqs: int, plugin_eager: bool = True):
     from vllm import LLM
 
-    from vllm_diffusion.offline import diffusion_llm
+    from vllm_diffusion_lab.offline import diffusion_llm
 
     if CONFIGS[name] is None:
         llm = LLM(model=str(ar_model), dtype="float32", seed=0, max_model_len=1024,
@@ -129,8 +114,8 @@ def run_batch(llm, name: str, prompts: list[str], examples, batch: int, min_requ
               max_tokens: int) -> dict:
     from vllm import SamplingParams
 
-    from vllm_diffusion.offline import stats_delta
-    from vllm_diffusion.quality.corpus import score
+    from vllm_diffusion_lab.offline import stats_delta
+    from vllm_diffusion_lab.quality.corpus import score
 
     options = CONFIGS[name][2] if CONFIGS[name] is not None else {}
     scored = examples is not None
@@ -194,15 +179,16 @@ def main() -> None:
     from tqdm import tqdm
 
     from vllm_diffusion.default_model import default_model_path
-    from vllm_diffusion.quality.corpus import mixed_eval_examples
-    from vllm_diffusion.quality.harness import chat_prompts
+    from vllm_diffusion_lab.bench import autoregressive_copy
+    from vllm_diffusion_lab.quality.corpus import mixed_eval_examples
+    from vllm_diffusion_lab.quality.harness import chat_prompts
 
     count = max(args.batch_sizes + [args.min_requests])
     cells: dict[str, dict[int, list[dict]]] = {n: {b: [] for b in args.batch_sizes}
                                                for n in args.configs}
     with tempfile.TemporaryDirectory() as tmp:
         if args.shape == "large":
-            from vllm_diffusion.testing.tiny_sdar import build_tiny_sdar
+            from vllm_diffusion_lab.fixtures.tiny_sdar import build_tiny_sdar
 
             model = build_tiny_sdar(LARGE_MODEL, **LARGE_SHAPE)  # kept for profiling
             vocab = json.loads((model / "config.json").read_text())["vocab_size"]

@@ -11,8 +11,8 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import pytest  # noqa: E402
 
-from vllm_diffusion.offline import diffusion_llm  # noqa: E402,F401
-from vllm_diffusion.testing.tiny_sdar import build_tiny_sdar  # noqa: E402
+from vllm_diffusion_lab.fixtures.tiny_sdar import build_tiny_sdar  # noqa: E402
+from vllm_diffusion_lab.offline import diffusion_llm  # noqa: E402,F401
 
 
 @pytest.fixture(scope="session")

@@ -174,7 +174,7 @@ def generate_by_blocks(prompt: list[int], block_size: int, mask_id: int, max_tok
 def reference_focus_generate(model: ReferenceSDAR, prompt: list[int], *, block_size: int,
                              mask_id: int, max_tokens: int, config,
                              stop_token_ids=frozenset()) -> list[int]:
-    """``config``: a FocusPolicyConfig (strategy, threshold, alpha, pool_kernel, evict,
+    """``config``: a FocusConfig (strategy, threshold, alpha, pool_kernel, evict,
     intra_block_cache); greedy; exact commit."""
     w = model.weights
     steps_cap = config.denoising_steps or block_size

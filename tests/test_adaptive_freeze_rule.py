@@ -7,7 +7,7 @@ import pytest
 import torch
 from reference_early_skip import ada_freeze
 
-from vllm_diffusion.policies.adaptive_freeze import (batched_freeze_positions,
+from vllm_diffusion.policies.ada import (batched_freeze_positions,
                                                      capacity_count, freeze_positions)
 
 # (block size, masked positions per block, history length, capacity)

@@ -14,7 +14,7 @@ import pytest
 import torch
 from kernel_harness import kernel_errors
 
-from vllm_diffusion.attention.block_attention import block_causal_attention
+from vllm_diffusion.kernels.block_attention import block_causal_attention
 
 if importlib.util.find_spec("triton") is None:
     pytest.skip("Triton is not installed", allow_module_level=True)
@@ -37,7 +37,7 @@ GRID = {
 
 
 def kernel_module():
-    return importlib.import_module("vllm_diffusion.attention.triton_block_attention")
+    return importlib.import_module("vllm_diffusion.kernels.triton_block_attention")
 
 
 def make_case(requests, kv_lens, block, page, heads, kv_heads, dim, dtype, permuted, device):
@@ -78,7 +78,7 @@ def errors() -> dict[str, float]:
 
 @pytest.mark.parametrize("case", GRID.values(), ids=GRID.keys())
 def test_padded_torch_attention_matches_reference(case):
-    from vllm_diffusion.attention.block_attention import padded_block_causal_attention
+    from vllm_diffusion.kernels.block_attention import padded_block_causal_attention
 
     args = make_case(*case, device="cpu")
     tolerance = 2e-2 if case[7] == torch.bfloat16 else 1e-5

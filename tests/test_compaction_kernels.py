@@ -11,7 +11,7 @@ import pytest
 import torch
 from kernel_harness import kernel_errors
 
-from vllm_diffusion.attention.compaction import compact_rows
+from vllm_diffusion.kernels.compaction import compact_rows
 
 if importlib.util.find_spec("triton") is None:
     pytest.skip("Triton is not installed", allow_module_level=True)
@@ -35,7 +35,7 @@ def make_case(rows, width, kept, with_residual, dtype, device):
 
 
 def max_errors(device: str) -> dict[str, float]:
-    kernel = importlib.import_module("vllm_diffusion.attention.triton_compaction")
+    kernel = importlib.import_module("vllm_diffusion.kernels.triton_compaction")
     errors = {}
     for name, case in GRID.items():
         args = make_case(*case, device=device)

@@ -17,7 +17,7 @@ from vllm import SamplingParams
 from vllm.config import CompilationMode
 from vllm.inputs import TokensPrompt
 
-from vllm_diffusion.offline import stats_delta
+from vllm_diffusion_lab.offline import stats_delta
 
 pytestmark = pytest.mark.engine
 

@@ -3,16 +3,10 @@
 from __future__ import annotations
 
 import re
-import sys
-from pathlib import Path
 
 import pytest
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO_ROOT))
-sys.path.insert(0, str(REPO_ROOT / "tools"))
-
-from vllm_diffusion.quality import corpus  # noqa: E402
+from vllm_diffusion_lab.quality import corpus
 
 
 def _perturb(family: str, answer: str) -> str:
@@ -71,8 +65,9 @@ def test_unknown_family_and_filler_eval_are_rejected():
 
 @pytest.fixture(scope="module")
 def small_tokenizer(tmp_path_factory):
-    from train_tokenizer import build_tokenizer
     from transformers import AutoTokenizer
+
+    from vllm_diffusion_lab.training.tokenizer import build_tokenizer
 
     out = tmp_path_factory.mktemp("tokenizer")
     build_tokenizer(corpus.generate_examples(2000, seed=1), vocab_size=600).save_pretrained(out)
@@ -120,7 +115,7 @@ def test_family_weights_reweight_the_training_mix_and_keep_the_split():
 
 
 def test_retrieval_problems_plant_the_asked_number():
-    from vllm_diffusion.quality.retrieval import retrieval_examples
+    from vllm_diffusion_lab.quality.retrieval import retrieval_examples
 
     for example in retrieval_examples(20, seed=1, filler_words=(40, 200)):
         key = example.prompt.rsplit("secret number of the ", 1)[1].rstrip("?")

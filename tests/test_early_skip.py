@@ -18,9 +18,9 @@ from test_parity import checkpoint_info, make_prompts
 from vllm import SamplingParams
 from vllm.inputs import TokensPrompt
 
-from vllm_diffusion.offline import stats_delta
-from vllm_diffusion.policies.early_skip import default_skip_layers
-from vllm_diffusion.testing.tiny_sdar import build_tiny_sdar
+from vllm_diffusion.policies.es import default_skip_layers
+from vllm_diffusion_lab.fixtures.tiny_sdar import build_tiny_sdar
+from vllm_diffusion_lab.offline import stats_delta
 
 pytestmark = pytest.mark.engine
 

@@ -10,7 +10,7 @@ from conftest import diffusion_llm
 
 from vllm import SamplingParams
 
-from vllm_diffusion.policies.elastic import ElasticPolicy, ElasticPolicyConfig
+from vllm_diffusion.policies.elastic import ElasticPolicy, ElasticConfig
 from vllm_diffusion.policies.latency_model import LatencyProfile, fit_piecewise
 
 MODEL = {"architectures": ["SDARForCausalLM"]}
@@ -35,7 +35,7 @@ def test_fit_recovers_three_regimes():
 
 
 def test_chosen_chunk_follows_load():
-    policy = ElasticPolicy(32, 3, ElasticPolicyConfig(warmup_steps=0, explore_every=10_000))
+    policy = ElasticPolicy(32, 3, ElasticConfig(warmup_steps=0, explore_every=10_000))
     policy.profile = saturating_profile(capacity=128)
     # Observed: commits grow with the chunk, with diminishing returns; rows = chunk.
     for chunk, commits in ((1, 1.0), (2, 1.6), (4, 2.2), (8, 2.8), (16, 3.2), (32, 3.5)):
@@ -50,7 +50,7 @@ def test_chosen_chunk_follows_load():
 
 
 def test_warmup_and_exploration():
-    policy = ElasticPolicy(16, 3, ElasticPolicyConfig(warmup_steps=2, explore_every=4))
+    policy = ElasticPolicy(16, 3, ElasticConfig(warmup_steps=2, explore_every=4))
     policy.profile = saturating_profile(capacity=1)
     chosen = []
     for _ in range(8):

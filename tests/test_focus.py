@@ -110,7 +110,7 @@ def test_delayed_commit_recomputes_only_unfrozen_positions(dense_checkpoint):
 def test_focus_with_eviction_equals_the_plain_torch_focus_reference(block_size, dense_checkpoint):
     from reference_focus import reference_focus_generate
 
-    from vllm_diffusion.policies.focus import FocusPolicyConfig
+    from vllm_diffusion.policies.focus import FocusConfig
 
     mask_id, stops, vocab_size = checkpoint_info(dense_checkpoint)
     reference = ReferenceSDAR(dense_checkpoint)
@@ -126,7 +126,7 @@ def test_focus_with_eviction_equals_the_plain_torch_focus_reference(block_size, 
         after = llm.collective_rpc("diffusion_stats")[0]
     assert (after["block_positions_after_eviction"] - before["block_positions_after_eviction"]
             < after["block_positions_computed"] - before["block_positions_computed"])
-    config = FocusPolicyConfig(strategy="threshold", threshold=0.7, alpha=1.5)
+    config = FocusConfig(strategy="threshold", threshold=0.7, alpha=1.5)
     for prompt, out in zip(prompts, outputs):
         want = reference_focus_generate(reference, prompt, block_size=block_size, mask_id=mask_id,
                                         max_tokens=3 * block_size, config=config)
@@ -139,7 +139,7 @@ def test_focus_under_preemption_equals_the_focus_reference(dense_checkpoint):
 
     from reference_focus import reference_focus_generate
 
-    from vllm_diffusion.policies.focus import FocusPolicyConfig
+    from vllm_diffusion.policies.focus import FocusConfig
 
     block_size, page_size = 8, 16
     mask_id, stops, vocab_size = checkpoint_info(dense_checkpoint)
@@ -157,7 +157,7 @@ def test_focus_under_preemption_equals_the_focus_reference(dense_checkpoint):
                                               extra_args=options), use_tqdm=False)
     assert preempted, "no request was preempted; the test does not cover preemption"
     reference = ReferenceSDAR(dense_checkpoint)
-    config = FocusPolicyConfig(**options)
+    config = FocusConfig(**options)
     for prompt, out in zip(prompts, outputs):
         assert list(out.outputs[0].token_ids) == reference_focus_generate(
             reference, prompt, block_size=block_size, mask_id=mask_id, max_tokens=40,

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from vllm_diffusion.policies.focus.selection import IntraBlockCache, select_retained, token_budget
+from vllm_diffusion.kernels.selection import select_retained, token_budget
+from vllm_diffusion.policies.block_cache import IntraBlockCache
 
 T, F = True, False
 
@@ -53,21 +54,21 @@ def test_selected_left_context_adds_only_masked_left_neighbours_of_selected():
 
 
 def test_decode_rate_variants():
-    from vllm_diffusion.policies.focus.policy import FocusPolicyConfig, FocusRequestState
+    from vllm_diffusion.policies.focus.policy import FocusConfig, FocusRequestState
 
     for rate, want in (("across_blocks", (2, 6, 3.0)), ("per_block", (0, 0, 1.0))):
-        config = FocusPolicyConfig(decode_rate=rate)
+        config = FocusConfig(decode_rate=rate)
         state = FocusRequestState(4)
-        state.start_block(0, False, config)
+        state.start_block(False, config)
         state.after_step(torch.ones(4, dtype=torch.bool), torch.ones(4, dtype=torch.bool), 4,
                          config)
         state.after_step(torch.zeros(4, dtype=torch.bool), torch.ones(4, dtype=torch.bool), 2,
                          config)
-        state.start_block(4, False, config)  # the next block
+        state.start_block(False, config)  # the next block
         assert (state.decoded_steps, state.decoded_tokens, state.mean_decoded) == want
-    config = FocusPolicyConfig(decode_rate="per_block")
+    config = FocusConfig(decode_rate="per_block")
     state = FocusRequestState(4)
-    state.start_block(0, False, config)
+    state.start_block(False, config)
     state.after_step(torch.ones(4, dtype=torch.bool), torch.ones(4, dtype=torch.bool), 0,
                      config)  # decoded nothing: not counted
     state.after_step(torch.ones(4, dtype=torch.bool), torch.ones(4, dtype=torch.bool), 3,

@@ -1,19 +1,14 @@
-"""Depth growth (tools/grow_depth.py) keeps the source model's function exactly, and only
-until training moves the new layers' output projections."""
+"""Depth growth (``vllm_diffusion_lab.training.depth_growth``, used by tools/grow_depth.py)
+keeps the source model's function exactly, and only until training moves the new layers'
+output projections."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
+from transformers import Qwen3Config, Qwen3ForCausalLM
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO_ROOT / "tools"))
-
-from grow_depth import grow_state_dict, grown_layer_sources  # noqa: E402
-from transformers import Qwen3Config, Qwen3ForCausalLM  # noqa: E402
+from vllm_diffusion_lab.training.depth_growth import grow_state_dict, grown_layer_sources
 
 
 def small_config(layers: int) -> Qwen3Config:

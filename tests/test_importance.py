@@ -13,7 +13,8 @@ from test_parity import checkpoint_info
 
 from vllm import SamplingParams
 from vllm.inputs import TokensPrompt
-from vllm_diffusion.attention.importance import candidate_importance
+from vllm_diffusion.kernels.importance import candidate_importance
+from vllm_diffusion_lab.recording import start_importance_recording, take_importance_records
 
 # (candidates, query heads, kv heads, head dim, pool kernel)
 GRID = {
@@ -56,7 +57,7 @@ def test_importance_matches_naive_loop(shape):
 
 
 def test_batched_importance_equals_per_request_importance():
-    from vllm_diffusion.attention.importance import batched_candidate_importance
+    from vllm_diffusion.kernels.importance import batched_candidate_importance
 
     gen = torch.Generator().manual_seed(7)
     query, key = torch.randn(60, 4, 16, generator=gen), torch.randn(60, 2, 16, generator=gen)
@@ -80,9 +81,9 @@ def test_engine_records_the_reference_importance_delta(dense_checkpoint):
     params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True,
                             extra_args={"strategy": "sequential"})
     with diffusion_llm(dense_checkpoint, diffusion_block_size=block_size) as llm:
-        llm.collective_rpc("start_importance_recording")
+        start_importance_recording(llm)
         llm.generate(TokensPrompt(prompt_token_ids=prompt), params, use_tqdm=False)
-        records = llm.collective_rpc("take_importance_records")[0]
+        records = take_importance_records(llm)
     # sequential decodes one position per step: 5 steps over the first block's 5 masks.
     assert [len(r["decoded"]) for r in records] == [5, 4, 3, 2, 1]
     assert all(r["decoded"][0] and sum(r["decoded"]) == 1 for r in records)
@@ -99,3 +100,15 @@ def test_engine_records_the_reference_importance_delta(dense_checkpoint):
     torch.testing.assert_close(torch.tensor(records[0]["layer1"]), layer1, rtol=1e-3, atol=1e-3)
     torch.testing.assert_close(torch.tensor(records[0]["delta"]), layer1 - layer0,
                                rtol=1e-3, atol=1e-3)
+
+
+def test_recording_policy_delegates_the_whole_policy_interface():
+    """Every method and attribute of the interface is the wrapped policy's, so recording
+    changes no decision (a method added to the interface must be delegated too)."""
+    from vllm_diffusion.policies.base import DecodingPolicy
+    from vllm_diffusion_lab.recording import RecordingPolicy
+
+    interface = {name for name in vars(DecodingPolicy) if not name.startswith("_")}
+    assert interface <= set(vars(RecordingPolicy)), interface - set(vars(RecordingPolicy))
+    for name in ("name", "config_cls", "block_size", "mask_token_id", "engine_config"):
+        assert name in vars(RecordingPolicy), name

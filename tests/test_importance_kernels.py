@@ -12,7 +12,7 @@ import pytest
 import torch
 from kernel_harness import kernel_errors
 
-from vllm_diffusion.attention.importance import batched_candidate_importance
+from vllm_diffusion.kernels.importance import batched_candidate_importance
 
 if importlib.util.find_spec("triton") is None:
     pytest.skip("Triton is not installed", allow_module_level=True)
@@ -42,7 +42,7 @@ def make_case(counts, heads, kv_heads, dim, kernels, device):
 
 
 def max_errors(device: str) -> dict[str, float]:
-    kernel = importlib.import_module("vllm_diffusion.attention.triton_importance")
+    kernel = importlib.import_module("vllm_diffusion.kernels.triton_importance")
     errors = {}
     for name, case in GRID.items():
         args = make_case(*case, device=device)

@@ -17,7 +17,7 @@ from vllm import SamplingParams
 from vllm.inputs import TokensPrompt
 
 from vllm_diffusion.models.llada2 import route
-from vllm_diffusion.testing.tiny_llada2 import MASK_TOKEN, build_tiny_llada2
+from vllm_diffusion_lab.fixtures.tiny_llada2 import MASK_TOKEN, build_tiny_llada2
 
 pytestmark = pytest.mark.engine
 
@@ -133,7 +133,7 @@ def test_served_with_focus_chat_metrics_and_step_map(llada2_checkpoint, tmp_path
     import requests
     from test_server import metric
 
-    from vllm_diffusion.testing.server import vllm_server
+    from vllm_diffusion_lab.fixtures.server import vllm_server
 
     with vllm_server(llada2_checkpoint, "--diffusion-policy", "focus", "--max-model-len", "256",
                      "--max-num-seqs", "4", "--enforce-eager",
@@ -234,7 +234,7 @@ def test_editing_is_refused_where_it_cannot_apply(llada2_checkpoint, policy, cas
 
 def test_the_elastic_policy_refuses_editing():
     from vllm_diffusion.options import OptionError
-    from vllm_diffusion.policies.elastic import ElasticPolicyConfig
+    from vllm_diffusion.policies.elastic import ElasticConfig
 
     with pytest.raises(OptionError, match="elastic policy"):
-        ElasticPolicyConfig(chunk_reuse=False, editing_threshold=0.5).validate_for_block(8, "x")
+        ElasticConfig(chunk_reuse=False, editing_threshold=0.5).validate_for_block(8, "x")

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from vllm_diffusion.options import OptionError, Rule
-from vllm_diffusion.policies.focus.selection import token_budget
+from vllm_diffusion.kernels.selection import token_budget
 
 UNIT = Rule(float, low=0.0, high=1.0)
 UNBOUNDED = Rule(float)

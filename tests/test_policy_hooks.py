@@ -22,10 +22,10 @@ from vllm import SamplingParams
 from vllm.inputs import TokensPrompt
 
 from vllm_diffusion import policies
-from vllm_diffusion.attention.sparse_prefix import PrefixSparsity
-from vllm_diffusion.offline import stats_delta
-from vllm_diffusion.policies.base import LayerHooks, RowSelection, StepHooks
 from vllm_diffusion.policies.standard import StandardPolicy
+from vllm_diffusion.step.hooks import LayerHooks, RowSelection, StepHooks
+from vllm_diffusion.step.keys import KeySelection
+from vllm_diffusion_lab.offline import stats_delta
 
 pytestmark = pytest.mark.engine
 NUM_LAYERS = 2  # the tiny test checkpoint's depth
@@ -60,7 +60,7 @@ class KeepEverythingHooks(StepHooks):
         for row, i in enumerate(sparse):
             kept[row, :, prefix_lens[i]:] = -1
         block_rows = [0 if s.block_rows is None else len(s.block_rows) for s in requests]
-        return PrefixSparsity(block_rows, prefix_lens, sparse, kept, [])
+        return KeySelection(block_rows, prefix_lens, sparse, kept, [])
 
 
 class KeepEverything(StandardPolicy):

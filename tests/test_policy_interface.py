@@ -11,12 +11,14 @@ import pytest
 import torch
 
 from vllm_diffusion.policies import POLICIES
-from vllm_diffusion.policies.base import DecodingPolicy, LayerInput
-from vllm_diffusion.policies.focus import FocusPolicy, FocusPolicyConfig
-from vllm_diffusion.policies.standard import (STRATEGIES, StandardPolicyConfig,
-                                              batched_choose_commits, choose_commits)
+from vllm_diffusion.policies.base import DecodingPolicy
+from vllm_diffusion.policies.focus import FocusConfig, FocusPolicy
+from vllm_diffusion.policies.standard import StandardConfig
+from vllm_diffusion.policies.unmasking import STRATEGIES, batched_choose_commits, choose_commits
+from vllm_diffusion.step.hooks import LayerInput
+from vllm_diffusion.step.plans import BlockStepPlan
+from vllm_diffusion.step.request import DiffusionRequest
 from vllm_diffusion.worker.geometry import BlockGeometry
-from vllm_diffusion.worker.request_state import DiffusionRequest
 from vllm_diffusion.worker.step_plan import forward_step, plan_request
 
 MASK = 99
@@ -44,26 +46,27 @@ class ComputeEven(DecodingPolicy):
     commit."""
 
     name = "compute-even"
-    config_cls = StandardPolicyConfig
+    config_cls = StandardConfig
 
-    def positions_to_compute(self, request, kv_lost):
-        return torch.arange(self.block_size) % 2 == 0
+    def new_state(self, config):
+        return None
 
-    def commit_positions(self, request):
+    def plan_step(self, request):
         keep = torch.zeros(self.block_size, dtype=torch.bool)
         keep[0] = True
-        return keep
+        return BlockStepPlan(compute=torch.arange(self.block_size) % 2 == 0,
+                             commit_recompute=keep)
 
     def choose_commits(self, batch):
         return batch.masked
 
 
 def new_request(policy):
-    return DiffusionRequest("r", StandardPolicyConfig(), policy.new_state(None), False)
+    return DiffusionRequest("r", StandardConfig(), policy.new_state(None), False)
 
 
 def test_plan_first_step_prefill_and_block():
-    policy = ComputeEven(4, MASK, StandardPolicyConfig())
+    policy = ComputeEven(4, MASK, StandardConfig())
     request = new_request(policy)
     tokens = list(range(10))  # prompt of 10: blocks [0,4), [4,8) and tail 8, 9
     rows = plan_request("r", tokens, 0, 12, BlockGeometry(4), MASK, request, policy)
@@ -75,14 +78,14 @@ def test_plan_first_step_prefill_and_block():
 
 
 def test_plan_partial_prefill_chunk_has_no_block():
-    policy = ComputeEven(4, MASK, StandardPolicyConfig())
+    policy = ComputeEven(4, MASK, StandardConfig())
     request = new_request(policy)
     rows = plan_request("r", list(range(10)), 0, 6, BlockGeometry(4), MASK, request, policy)
     assert rows.positions == [0, 1, 2, 3] and rows.request is None and rows.committed == 4
 
 
 def test_plan_commit_of_the_completed_block_uses_the_policys_positions():
-    policy = ComputeEven(4, MASK, StandardPolicyConfig())
+    policy = ComputeEven(4, MASK, StandardConfig())
     request = new_request(policy)
     geometry = BlockGeometry(4)
     plan_request("r", [1, 2], 0, 4, geometry, MASK, request, policy)  # block [0, 4)
@@ -94,14 +97,14 @@ def test_plan_commit_of_the_completed_block_uses_the_policys_positions():
 
 
 def test_plan_refuses_a_committed_prefix_off_the_block_grid():
-    policy = ComputeEven(4, MASK, StandardPolicyConfig())
+    policy = ComputeEven(4, MASK, StandardConfig())
     with pytest.raises(RuntimeError, match="not on a diffusion block boundary"):
         plan_request("r", list(range(10)), 3, 9, BlockGeometry(4), MASK, new_request(policy),
                      policy)
 
 
 def test_forward_step_block_rows():
-    policy = ComputeEven(4, MASK, StandardPolicyConfig())
+    policy = ComputeEven(4, MASK, StandardConfig())
     geometry = BlockGeometry(4)
     a, b = new_request(policy), new_request(policy)
     rows = [plan_request("a", list(range(10)), 0, 12, geometry, MASK, a, policy),
@@ -137,7 +140,7 @@ COMMIT_GRID = {"b1": (6, 1, 0), "b4": (24, 4, 1), "b16": (24, 16, 2), "b32": (16
 def test_batched_commit_choice_matches_the_per_block_reference(name):
     rows, block, seed = COMMIT_GRID[name]
     confidence, masked, gen = random_blocks(seed, rows, block)
-    configs = [StandardPolicyConfig(
+    configs = [StandardConfig(
         strategy=STRATEGIES[i % len(STRATEGIES)], threshold=[0.0, 0.5, 0.9, 1.0][i % 4],
         denoising_steps=None if i % 3 else max(1, block // 2)) for i in range(rows)]
     steps = torch.randint(0, block + 2, (rows,), generator=gen)
@@ -158,9 +161,9 @@ def test_registry_and_interface():
         assert issubclass(cls, DecodingPolicy) and cls.name == name
     three_layers, four_layers = (types.SimpleNamespace(num_hidden_layers=n) for n in (3, 4))
     with pytest.raises(ValueError, match="evicts after layer 3"):
-        FocusPolicy(4, MASK, FocusPolicyConfig(eviction_layer=3)).bind_model(three_layers, False)
+        FocusPolicy(4, MASK, FocusConfig(eviction_layer=3)).bind_model(three_layers, False)
     with pytest.raises(ValueError, match="prefix cache"):
-        FocusPolicy(4, MASK, FocusPolicyConfig(commit="delayed")).bind_model(four_layers, True)
+        FocusPolicy(4, MASK, FocusConfig(commit="delayed")).bind_model(four_layers, True)
 
 
 def test_layer_input_maps_step_rows_to_current_rows():

@@ -17,7 +17,7 @@ import json
 import pytest
 
 from vllm_diffusion.default_model import DEFAULT_CHECKPOINT, TINY_CHECKPOINT
-from vllm_diffusion.quality.harness import INSTRUCTION_FAMILIES, run, wilson_interval
+from vllm_diffusion_lab.quality.harness import INSTRUCTION_FAMILIES, run, wilson_interval
 
 pytestmark = pytest.mark.engine
 

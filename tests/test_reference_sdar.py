@@ -17,7 +17,7 @@ from reference_sdar import (
     transfer_quotas,
 )
 
-from vllm_diffusion.testing.tiny_sdar import build_tiny_sdar
+from vllm_diffusion_lab.fixtures.tiny_sdar import build_tiny_sdar
 
 BLOCK_SIZE = 4
 INF = float("inf")

@@ -8,7 +8,8 @@ import types
 import pytest
 import torch
 
-from vllm_diffusion.worker.sampling import propose_for_requests, propose_tokens
+from vllm_diffusion.worker.proposal import propose_for_requests
+from vllm_diffusion.worker.sampling import propose_tokens
 
 MASK = 3
 

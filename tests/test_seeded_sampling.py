@@ -15,8 +15,8 @@ from conftest import diffusion_llm
 from vllm import SamplingParams
 
 from vllm_diffusion.default_model import TINY_CHECKPOINT
-from vllm_diffusion.quality.corpus import eval_examples
-from vllm_diffusion.quality.harness import chat_prompts
+from vllm_diffusion_lab.quality.corpus import eval_examples
+from vllm_diffusion_lab.quality.harness import chat_prompts
 
 pytestmark = pytest.mark.engine
 PINNED = json.loads((pathlib.Path(__file__).parent / "data" / "seeded_sampling.json").read_text())

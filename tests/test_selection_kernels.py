@@ -13,7 +13,7 @@ import pytest
 import torch
 from kernel_harness import kernel_errors
 
-from vllm_diffusion.policies.focus.selection import batched_select_retained
+from vllm_diffusion.kernels.selection import batched_select_retained
 
 if importlib.util.find_spec("triton") is None:
     pytest.skip("Triton is not installed", allow_module_level=True)
@@ -42,7 +42,7 @@ def make_case(requests, block, levels, seed, device):
 
 
 def max_errors(device: str) -> dict[str, float]:
-    kernel = importlib.import_module("vllm_diffusion.policies.focus.triton_selection")
+    kernel = importlib.import_module("vllm_diffusion.kernels.triton_selection")
     errors = {}
     for name, case in GRID.items():
         args = make_case(*case, device=device)

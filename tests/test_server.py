@@ -11,7 +11,7 @@ import time
 import pytest
 import requests
 
-from vllm_diffusion.testing.server import vllm_server
+from vllm_diffusion_lab.fixtures.server import vllm_server
 
 pytestmark = pytest.mark.engine
 

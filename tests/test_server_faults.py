@@ -15,7 +15,7 @@ import pytest
 import requests
 from test_server import chat_body, metric, wait_until_idle
 
-from vllm_diffusion.testing.server import vllm_server, vllm_server_process
+from vllm_diffusion_lab.fixtures.server import vllm_server, vllm_server_process
 
 pytestmark = pytest.mark.engine
 

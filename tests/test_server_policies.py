@@ -10,8 +10,8 @@ import pytest
 import requests
 from test_server import metric, stream_chat
 
-from vllm_diffusion.testing.server import vllm_server
-from vllm_diffusion.testing.tiny_sdar import build_tiny_sdar
+from vllm_diffusion_lab.fixtures.server import vllm_server
+from vllm_diffusion_lab.fixtures.tiny_sdar import build_tiny_sdar
 
 pytestmark = pytest.mark.engine
 

@@ -19,7 +19,7 @@ from vllm import SamplingParams
 from vllm.inputs import TokensPrompt
 
 from vllm_diffusion.attention import backend
-from vllm_diffusion.testing.tiny_sdar import build_tiny_sdar
+from vllm_diffusion_lab.fixtures.tiny_sdar import build_tiny_sdar
 
 pytestmark = pytest.mark.engine
 
@@ -33,13 +33,14 @@ def three_layer_checkpoint(tmp_path_factory):
 def sparse_calls(monkeypatch):
     """Layers attended with at least one request on the sparse path."""
     calls = []
-    original = backend.attend_with_prefix_sparsity
+    original = backend.attend_with_key_selection
 
-    def spy(query, kv_cache, metadata, sparsity, *args, **kwargs):
-        calls.append((len(sparsity.sparse), len(sparsity.scoring)))
-        return original(query, kv_cache, metadata, sparsity, *args, **kwargs)
+    def spy(query, kv_cache, rows, block_table, block_size, selection, *args, **kwargs):
+        calls.append((len(selection.sparse), len(selection.scoring)))
+        return original(query, kv_cache, rows, block_table, block_size, selection, *args,
+                        **kwargs)
 
-    monkeypatch.setattr(backend, "attend_with_prefix_sparsity", spy)
+    monkeypatch.setattr(backend, "attend_with_key_selection", spy)
     return calls
 
 

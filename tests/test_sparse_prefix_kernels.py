@@ -19,8 +19,8 @@ import torch
 from kernel_harness import kernel_errors
 from test_block_attention_kernels import make_case
 
-from vllm_diffusion.attention.block_attention import block_causal_attention, gather_kv
-from vllm_diffusion.attention.sparse_prefix import (gathered_sparse_prefix_attention,
+from vllm_diffusion.kernels.block_attention import block_causal_attention, gather_kv
+from vllm_diffusion.kernels.sparse_prefix import (gathered_sparse_prefix_attention,
                                                     select_prefix, sparse_prefix_attention)
 
 # name: (block rows per request as (block start, rows, kv len), diffusion block, page size,
@@ -61,7 +61,7 @@ def sparse_case(requests, block, page, heads, kv_heads, dim, dtype, permuted, sh
 
 
 def kernel_module():
-    return importlib.import_module("vllm_diffusion.attention.triton_sparse_prefix")
+    return importlib.import_module("vllm_diffusion.kernels.triton_sparse_prefix")
 
 
 def max_errors(device: str) -> dict[str, float]:

@@ -14,8 +14,8 @@ from test_parity import checkpoint_info, make_prompts
 
 from vllm import SamplingParams
 from vllm.inputs import TokensPrompt
-from vllm_diffusion.offline import diffusion_llm
-from vllm_diffusion.policies.focus import FocusPolicyConfig
+from vllm_diffusion.policies.focus import FocusConfig
+from vllm_diffusion_lab.offline import diffusion_llm
 
 pytestmark = pytest.mark.engine
 
@@ -44,7 +44,7 @@ def test_tensor_parallel_standard_and_focus_equal_references(dense_checkpoint, t
                                               extra_args=extra), use_tqdm=False)
             for name, extra in (("standard", no_eviction), ("focus", options))}
     reference = ReferenceSDAR(dense_checkpoint)
-    config = FocusPolicyConfig(**options)
+    config = FocusConfig(**options)
     for prompt, standard, focus in zip(prompts, outputs["standard"], outputs["focus"]):
         assert list(standard.outputs[0].token_ids) == reference_generate(
             reference, prompt, block_size=block_size, mask_id=mask_id, max_tokens=24, **options)
@@ -83,7 +83,7 @@ def test_tensor_parallel_llada2_equals_reference(tmp_path, two_cpu_ranks):
     from reference_llada2 import ReferenceLLaDA2
     from test_llada2 import token_info
 
-    from vllm_diffusion.testing.tiny_llada2 import build_tiny_llada2
+    from vllm_diffusion_lab.fixtures.tiny_llada2 import build_tiny_llada2
 
     checkpoint = build_tiny_llada2(tmp_path / "llada2")
     mask_id, stops, vocab_size = token_info(checkpoint)

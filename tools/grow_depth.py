@@ -1,6 +1,6 @@
 """Grow a checkpoint saved by tools/train_sdar.py into a deeper one that computes the same function.
 
-    python tools/grow_depth.py vllm_diffusion/checkpoints/sdar-tiny-chat /work/ckpt/sdar-grown-0 \
+    python tools/grow_depth.py checkpoints/sdar-tiny-chat /work/ckpt/sdar-grown-0 \
         --new-layers-after-each 2 --max-position-embeddings 4096
 
 Each source layer is followed by `--new-layers-after-each` new layers (block expansion, as in
@@ -14,52 +14,19 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
-import sys
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from cast_checkpoint import write_checkpoint  # noqa: E402
-
-LAYER_KEY = re.compile(r"model\.layers\.(\d+)\.(.+)")
-ZEROED_PROJECTIONS = ("self_attn.o_proj.weight", "mlp.down_proj.weight")
-
-
-def grown_layer_sources(num_source_layers: int, new_layers_after_each: int) -> list[int | None]:
-    """For each layer of the grown model, the source layer it copies, or None for a new layer."""
-    order: list[int | None] = []
-    for layer in range(num_source_layers):
-        order += [layer] + [None] * new_layers_after_each
-    return order
-
-
-def grow_state_dict(source: dict[str, torch.Tensor], fresh: dict[str, torch.Tensor],
-                    sources: list[int | None]) -> dict[str, torch.Tensor]:
-    """The grown model's weights: `fresh` is a randomly initialised state dict of the grown
-    architecture; layers with a source copy it, new layers keep their fresh weights with
-    zeroed output projections, and everything outside the layers comes from `source`."""
-    grown: dict[str, torch.Tensor] = {}
-    for name, tensor in fresh.items():
-        match = LAYER_KEY.fullmatch(name)
-        if match is None:
-            grown[name] = source[name].clone()
-            continue
-        layer, suffix = int(match.group(1)), match.group(2)
-        if sources[layer] is not None:
-            grown[name] = source[f"model.layers.{sources[layer]}.{suffix}"].clone()
-        elif suffix in ZEROED_PROJECTIONS:
-            grown[name] = torch.zeros_like(tensor)
-        else:
-            grown[name] = tensor.clone()
-    return grown
+from vllm_diffusion_lab.training.checkpoint_files import write_checkpoint
+from vllm_diffusion_lab.training.depth_growth import grow_state_dict, grown_layer_sources
 
 
 def main() -> None:
-    from sample_sdar import qwen3_config_from_sdar
     from transformers import Qwen3ForCausalLM
+
+    from vllm_diffusion_lab.training.reference_decoding import qwen3_config_from_sdar
 
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)

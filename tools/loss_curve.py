@@ -11,7 +11,7 @@ default the embedded tiny model's final loss), and its time at the speed measure
 logs.
 
 Usage:
-    python tools/loss_curve.py training/sdar-small-scratch/stage{1,2,3,4a,4b}.log \
+    python tools/loss_curve.py training/logs/sdar-small-scratch/stage{1,2,3,4a,4b}.log \
         --fit-stages 1 2 3 --out results/loss_curve_small.json
 """
 

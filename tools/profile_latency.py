@@ -19,11 +19,7 @@ import json
 import os
 import pathlib
 import statistics
-import sys
 import time
-
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 
 def main() -> None:
@@ -39,10 +35,10 @@ def main() -> None:
     from vllm import SamplingParams
 
     from vllm_diffusion.default_model import default_model_path
-    from vllm_diffusion.offline import diffusion_llm
     from vllm_diffusion.policies.latency_model import fit_piecewise, model_identity
-    from vllm_diffusion.quality.corpus import mixed_eval_examples
-    from vllm_diffusion.quality.harness import chat_prompts
+    from vllm_diffusion_lab.offline import diffusion_llm
+    from vllm_diffusion_lab.quality.corpus import mixed_eval_examples
+    from vllm_diffusion_lab.quality.harness import chat_prompts
 
     model = args.model or str(default_model_path())
     block = args.block_size

@@ -14,7 +14,7 @@ import time
 import requests
 
 from vllm_diffusion.default_model import default_model_path
-from vllm_diffusion.testing.server import vllm_server
+from vllm_diffusion_lab.fixtures.server import vllm_server
 
 QUESTION = "Start with 12, add 7, then subtract 4. What number do you get?"
 

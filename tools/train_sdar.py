@@ -13,7 +13,7 @@ under the causal mask, as SDAR starts from an autoregressive model) comes first.
 stage stops at its time budget; its cosine schedule length is estimated from the speed of
 its first steps and printed: pass it back (--ar-max-steps, --max-steps) for a rerun with
 the same steps. At the end the checkpoint is scored greedily on a few held-out prompts
-per family (see tools/sample_sdar.py).
+per family (``vllm_diffusion_lab.training.reference_decoding``, as tools/sample_sdar.py).
 
 Objective (BD3-LM, vectorised): the model reads [noisy ; clean] with
 position ids 0..L-1 for both halves. Per block, a fraction t ~ U(eps, 1) of
@@ -40,7 +40,6 @@ import json
 import math
 import os
 import random
-import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -50,14 +49,13 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast, Qwen3ForCausalLM
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from sample_sdar import block_causal_mask, evaluate, qwen3_config_from_sdar  # noqa: E402
-from train_tokenizer import ENDOFTEXT, IM_END, IM_START, MASK, build_tokenizer  # noqa: E402
-from vllm_diffusion.quality.corpus import eval_examples, is_eval_problem, train_examples  # noqa: E402
-from vllm_diffusion.quality.retrieval import retrieval_examples, retrieval_problem  # noqa: E402
+from vllm_diffusion_lab.quality.corpus import eval_examples, is_eval_problem, train_examples
+from vllm_diffusion_lab.quality.retrieval import retrieval_examples, retrieval_problem
+from vllm_diffusion_lab.training.reference_decoding import (block_causal_mask, evaluate,
+                                                            qwen3_config_from_sdar)
+from vllm_diffusion_lab.training.tokenizer import ENDOFTEXT, IM_END, IM_START, MASK, build_tokenizer
 
-DEFAULT_OUT = Path(__file__).resolve().parents[1] / "vllm_diffusion/checkpoints/sdar-tiny-chat"
+DEFAULT_OUT = Path(__file__).resolve().parents[1] / "checkpoints/sdar-tiny-chat"
 # 1 and 2 add dense, nearly autoregressive targets (every response token masked).
 BLOCK_SIZES = (1, 2, 4, 8, 16, 32, 64)
 SERVING_BLOCK_SIZE = 4
@@ -100,8 +98,9 @@ class TrainConfig:
     ar_minutes: float = 0.0  # autoregressive warm start before block-diffusion training
     block_sizes: tuple[int, ...] = BLOCK_SIZES  # drawn uniformly per batch
     ar_max_steps: int | None = None
-    # Long-prompt retrieval (quality/retrieval.py): the share of steps that train on it, the
-    # passage length range in words, and the token budget of one such batch.
+    # Long-prompt retrieval (vllm_diffusion_lab/quality/retrieval.py): the share of steps
+    # that train on it, the passage length range in words, and the token budget of one such
+    # batch.
     retrieval_fraction: float = 0.0
     retrieval_words: tuple[int, int] = (50, 3000)
     retrieval_batch_tokens: int = 8192

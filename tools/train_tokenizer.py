@@ -1,85 +1,17 @@
-"""Train the byte-level BPE tokenizer of the tiny SDAR chat model.
+"""Train the byte-level BPE tokenizer of the tiny SDAR chat model
+(``vllm_diffusion_lab.training.tokenizer``).
 
 Usage:
     python tools/train_tokenizer.py --out /tmp/sdar-tok [--vocab-size 1024]
-
-Special tokens (ids 0..3): ``<|endoftext|>`` (pad, and the filler the model
-writes after the answer inside its last block), ``<|im_start|>``,
-``<|im_end|>`` (end of the assistant turn: the tokenizer's eos token) and
-``<|MASK|>`` (the diffusion mask token). Numbers are split into single
-digits, as in Qwen, so that arithmetic is learnable digit by digit.
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
-from collections.abc import Iterable, Iterator
 from pathlib import Path
 
-from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import PreTrainedTokenizerFast
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from vllm_diffusion.quality.corpus import Example, train_examples  # noqa: E402
-
-ENDOFTEXT = "<|endoftext|>"
-IM_START = "<|im_start|>"
-IM_END = "<|im_end|>"
-MASK = "<|MASK|>"
-SPECIAL_TOKENS = (ENDOFTEXT, IM_START, IM_END, MASK)
-DEFAULT_VOCAB_SIZE = 1024
-
-# ChatML; the generation prompt opens the assistant turn.
-CHAT_TEMPLATE = (
-    "{%- for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
-    "{%- endfor %}"
-    "{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{%- endif %}"
-)
-
-# Contractions, letter runs with one leading non-letter, single digits,
-# punctuation runs, newlines, whitespace (the split used by Qwen2/GPT-4 style BPE).
-_SPLIT_PATTERN = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-
-
-def _training_texts(examples: Iterable[Example]) -> Iterator[str]:
-    # Special tokens are registered separately, so only the plain text is fed to BPE.
-    for example in examples:
-        yield f"user\n{example.prompt}\n"
-        yield f"assistant\n{example.answer}\n"
-
-
-def build_tokenizer(examples: Iterable[Example],
-                    vocab_size: int = DEFAULT_VOCAB_SIZE) -> PreTrainedTokenizerFast:
-    """Train BPE on ``examples`` and wrap it with the chat template and special tokens."""
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(_SPLIT_PATTERN), behavior="isolated"),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-    ])
-    tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=list(SPECIAL_TOKENS),
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tokenizer.train_from_iterator(_training_texts(examples), trainer=trainer)
-    wrapped = PreTrainedTokenizerFast(
-        tokenizer_object=tokenizer,
-        eos_token=IM_END,
-        pad_token=ENDOFTEXT,
-        mask_token=MASK,
-        extra_special_tokens=[IM_START],
-        model_max_length=4096,
-        clean_up_tokenization_spaces=False,
-    )
-    wrapped.chat_template = CHAT_TEMPLATE
-    return wrapped
+from vllm_diffusion_lab.quality.corpus import train_examples
+from vllm_diffusion_lab.training.tokenizer import DEFAULT_VOCAB_SIZE, build_tokenizer
 
 
 def main() -> None:

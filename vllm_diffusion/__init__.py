@@ -7,11 +7,7 @@ import path and only imported where a model is built.
 
 __version__ = "0.1.0"
 
-ARCHITECTURES = {
-    "SDARForCausalLM": "vllm_diffusion.models.sdar:SDARForCausalLM",
-    "SDARMoeForCausalLM": "vllm_diffusion.models.sdar:SDARMoeForCausalLM",
-    "LLaDA2MoeModelLM": "vllm_diffusion.models.llada2:LLaDA2MoeModelLM",
-}
+from vllm_diffusion.architectures import ARCHITECTURES
 
 _registered = False
 
@@ -25,13 +21,13 @@ def register() -> None:
     from vllm import ModelRegistry
     from vllm.model_executor.models.config import MODELS_CONFIG_MAP
 
-    from vllm_diffusion import frontend
     from vllm_diffusion.engine_setup import DiffusionModelConfigHook
     from vllm_diffusion.models.configs import register_hf_configs
+    from vllm_diffusion.seams import install as install_seams
 
     register_hf_configs()
     for arch, path in ARCHITECTURES.items():
         if arch not in ModelRegistry.get_supported_archs():
             ModelRegistry.register_model(arch, path)
         MODELS_CONFIG_MAP[arch] = DiffusionModelConfigHook
-    frontend.install()
+    install_seams()

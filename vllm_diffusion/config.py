@@ -139,8 +139,9 @@ def engine_config_from_vllm(vllm_config: Any) -> DiffusionEngineConfig:
     extra = vllm_config.additional_config
     if not isinstance(extra, Mapping) or not extra.get(_RESOLVED_KEY):
         raise RuntimeError(
-            "vllm-diffusion configuration was not resolved at start-up; is the model an "
-            "SDAR checkpoint and the vllm_diffusion plugin loaded?"
+            "vllm-diffusion configuration was not resolved at start-up; is the model one "
+            "of the plugin's architectures (SDAR, SDAR-MoE, LLaDA2) and the vllm_diffusion "
+            "plugin loaded?"
         )
     return parse_engine_options(extra, config_block_size=None, config_mask_token_id=None,
                                 vocab_size=vllm_config.model_config.get_vocab_size())

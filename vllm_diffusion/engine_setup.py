@@ -1,7 +1,7 @@
 """Start-up configuration of vLLM for a block-diffusion checkpoint.
 
 ``DiffusionModelConfigHook`` is installed in vLLM's per-architecture config hooks
-(``MODELS_CONFIG_MAP``) for the SDAR architectures. When vLLM builds its configuration it
+(``MODELS_CONFIG_MAP``) for the plugin's architectures (``architectures.py``). When vLLM builds its configuration it
 resolves and validates the diffusion options, stores them in ``additional_config`` (which
 every process receives), and selects the diffusion scheduler and worker.
 """
@@ -22,6 +22,8 @@ SCHEDULER_CLS = "vllm_diffusion.worker.scheduler.BlockDiffusionScheduler"
 CPU_WORKER_CLS = "vllm_diffusion.worker.cpu_worker.DiffusionCPUWorker"
 GPU_WORKER_CLS = "vllm_diffusion.worker.gpu_worker.DiffusionGPUWorker"
 
+
+CPU_KV_CACHE_BYTES = 1 << 30  # when none is given on CPU
 
 # The mask token's text in checkpoints whose tokenizer does not name a mask_token.
 MASK_TOKEN_TEXTS = ("<|mask|>",)
@@ -75,12 +77,15 @@ class DiffusionModelConfigHook(VerifyAndUpdateConfig):
         if os.environ.get("VLLM_USE_V2_MODEL_RUNNER", "0") not in ("0", "false", "False"):
             raise ValueError(
                 "vllm-diffusion runs on the V1 model runner; unset VLLM_USE_V2_MODEL_RUNNER")
+        # vLLM selects the runner by the environment only (patches/README.md row 16).
         os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
 
-        if (current_platform.is_cpu() and "VLLM_CPU_KVCACHE_SPACE" not in os.environ
-                and vllm_config.cache_config.kv_cache_memory_bytes is None):
-            logger.info("vllm-diffusion: VLLM_CPU_KVCACHE_SPACE not set; using 1 GiB of KV cache")
-            os.environ["VLLM_CPU_KVCACHE_SPACE"] = "1"
+        cache_config = vllm_config.cache_config
+        if (current_platform.is_cpu() and not os.environ.get("VLLM_CPU_KVCACHE_SPACE")
+                and cache_config.kv_cache_memory_bytes is None):
+            logger.info("vllm-diffusion: no CPU KV-cache size given (VLLM_CPU_KVCACHE_SPACE, "
+                        "--kv-cache-memory-bytes); using %d bytes (1 GiB)", CPU_KV_CACHE_BYTES)
+            cache_config.kv_cache_memory_bytes = CPU_KV_CACHE_BYTES
 
         parallel_config = vllm_config.parallel_config
         worker_cls = CPU_WORKER_CLS if current_platform.is_cpu() else GPU_WORKER_CLS

@@ -2,13 +2,12 @@
 
 The diffusion runner builds ``BlockDiffusionMetadata`` itself for every step (one object
 shared by all layers); the backend stores the keys/values of every key row at the given
-slots and runs block-causal attention for the query rows over each request's paged KV:
-the Triton kernel on CUDA, the vectorised torch version elsewhere; both have the signature
-of the torch reference (``block_attention.block_causal_attention``) and are tested
-against it. The decoder stack may drop query rows at a layer (``keep_queries``: that
-layer still stores every row's keys/values) and then key rows (``keep_keys``), and may
-restrict, for one layer, the prefix keys that requests' block rows see
-(``prefix_sparsity``: kept-index lists, ``sparse_prefix``).
+slots and runs block-causal attention for the query rows over each request's paged KV
+(``kernels.dispatch``: the Triton kernel on CUDA, the vectorised torch version elsewhere;
+both have the signature of the torch reference and are tested against it). The rows it
+reads are the step's current ones (``step.rows.StepRows``): a hook may have dropped query
+rows at this layer (the layer still stores every row's keys/values), and may have
+restricted the prefix keys that requests' block rows see (``key_selection``).
 """
 
 from __future__ import annotations
@@ -28,61 +27,20 @@ from vllm.v1.attention.backend import (
     CommonAttentionMetadata,
 )
 
-from vllm_diffusion.attention import block_attention
-from vllm_diffusion.attention.block_attention import write_kv
-from vllm_diffusion.attention.sparse_prefix import (PrefixSparsity,
-                                                    attend_with_prefix_sparsity,
-                                                    gathered_sparse_prefix_attention)
+from vllm_diffusion.attention.key_selection import attend_with_key_selection
+from vllm_diffusion.kernels.block_attention import write_kv
+from vllm_diffusion.kernels.dispatch import kernel
+from vllm_diffusion.step.rows import StepRows
 
 
-@dataclass
+@dataclass(frozen=True)
 class BlockDiffusionMetadata:
-    num_actual_tokens: int  # query rows
-    query_positions: torch.Tensor  # [T] absolute positions of the query rows
-    slot_mapping: torch.Tensor  # [T_kv] KV slot of each key row, -1 = not stored
+    """One step's attention metadata, shared by every layer; the rows computed now live in
+    ``rows``, which the step's run object narrows when a hook drops rows."""
+
+    rows: StepRows
     block_table: torch.Tensor  # [R, max_pages] page ids per request
-    query_start_loc: list[int]  # R + 1 row offsets per request (host)
-    kv_lens: list[int]  # R: keys [0, kv_len) are visible to request r (host)
     diffusion_block_size: int
-    # the current layer's kept prefix positions per request (None: dense attention)
-    prefix_sparsity: PrefixSparsity | None = None
-
-    def keep_queries(self, keep: torch.Tensor, kv_lens: dict[int, int]) -> None:
-        """Keep the query rows where ``keep`` ([T] bool, host) is set, and give the named
-        requests new key lengths; key rows are unchanged until ``keep_keys``."""
-        keep_rows = torch.nonzero(keep).flatten().to(self.query_positions.device)
-        self.query_positions = self.query_positions[keep_rows]
-        counts = [int(keep[a:b].sum()) for a, b in
-                  zip(self.query_start_loc[:-1], self.query_start_loc[1:])]
-        self.query_start_loc = [0]
-        for count in counts:
-            self.query_start_loc.append(self.query_start_loc[-1] + count)
-        self.num_actual_tokens = len(keep_rows)
-        for request, kv_len in kv_lens.items():
-            self.kv_lens[request] = kv_len
-
-    def keep_keys(self, keep: torch.Tensor) -> None:
-        """Keep the key rows where ``keep`` ([T_kv] bool, host) is set."""
-        self.slot_mapping = self.slot_mapping[torch.nonzero(keep).flatten()
-                                              .to(self.slot_mapping.device)]
-
-
-def attention_kernel(device: torch.device):
-    """The block-causal attention implementation for tensors on ``device``."""
-    if device.type == "cuda":
-        from vllm_diffusion.attention import triton_block_attention
-
-        return triton_block_attention.block_causal_attention
-    return block_attention.padded_block_causal_attention
-
-
-def sparse_prefix_kernel(device: torch.device):
-    """The prefix-sparse attention implementation for tensors on ``device``."""
-    if device.type == "cuda":
-        from vllm_diffusion.attention import triton_sparse_prefix
-
-        return triton_sparse_prefix.sparse_prefix_attention
-    return gathered_sparse_prefix_attention
 
 
 class BlockDiffusionAttentionBackend(AttentionBackend):
@@ -153,18 +111,19 @@ class BlockDiffusionAttentionImpl(AttentionImpl[BlockDiffusionMetadata]):
                 output_scale=None, output_block_scale=None) -> torch.Tensor:
         if attn_metadata is None:  # vLLM's profiling runs carry no metadata
             return output.zero_()
-        md = attn_metadata
-        n, n_kv = md.num_actual_tokens, len(md.slot_mapping)
-        write_kv(kv_cache, key[:n_kv], value[:n_kv], md.slot_mapping)
-        dense = attention_kernel(query.device)
-        if md.prefix_sparsity is None:
-            output[:n] = dense(query[:n], kv_cache, md.query_positions, md.query_start_loc,
-                               md.kv_lens, md.block_table, md.diffusion_block_size, self.scale)
+        rows = attn_metadata.rows
+        n, n_kv = rows.num_queries, len(rows.slot_mapping)
+        write_kv(kv_cache, key[:n_kv], value[:n_kv], rows.slot_mapping)
+        dense = kernel("block_attention", query.device)
+        block_table, block_size = attn_metadata.block_table, attn_metadata.diffusion_block_size
+        if rows.key_selection is None:
+            output[:n] = dense(query[:n], kv_cache, rows.query_positions, rows.query_start_loc,
+                               rows.kv_lens, block_table, block_size, self.scale)
             return output
         tp_size = get_tensor_model_parallel_world_size()
-        output[:n] = attend_with_prefix_sparsity(
-            query[:n], kv_cache, md, md.prefix_sparsity, self.scale, dense,
-            sparse_prefix_kernel(query.device),
+        output[:n] = attend_with_key_selection(
+            query[:n], kv_cache, rows, block_table, block_size, rows.key_selection, self.scale,
+            dense, kernel("sparse_prefix_attention", query.device),
             sum_heads=tensor_model_parallel_all_reduce if tp_size > 1 else None,
             total_heads=self.num_heads * tp_size)
         return output

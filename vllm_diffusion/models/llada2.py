@@ -17,8 +17,8 @@ differs:
   ``routed_scaling_factor``, plus the shared experts;
 - ``norm_head`` is ignored (as by the published forward).
 
-Each layer exposes ``self_attn`` with ``project`` / ``attend``, so the decoder stack
-(``decoder_stack.py``) and every policy's hooks run on it as on SDAR.
+``LLaDA2DecoderLayer`` owns its forward (pre-norm residual order) and calls the step
+run's hook points (``step_run.py``), so every policy's hooks run on it as on SDAR.
 """
 
 from __future__ import annotations
@@ -30,21 +30,18 @@ import torch.nn as nn
 
 from vllm.compilation.decorators import support_torch_compile
 from vllm.config import VllmConfig
-from vllm.distributed import get_pp_group
 from vllm.model_executor.layers.activation import SiluAndMul
 from vllm.model_executor.layers.fused_moe import FusedMoEFactory
 from vllm.model_executor.layers.layernorm import RMSNorm
 from vllm.model_executor.layers.linear import (MergedColumnParallelLinear, QKVParallelLinear,
                                                RowParallelLinear)
-from vllm.model_executor.layers.logits_processor import LogitsProcessor
 from vllm.model_executor.layers.rotary_embedding import get_rope
-from vllm.model_executor.layers.vocab_parallel_embedding import (ParallelLMHead,
-                                                                 VocabParallelEmbedding)
-from vllm.model_executor.models.utils import (AutoWeightsLoader, WeightsMapper,
-                                              extract_layer_index, make_layers, maybe_prefix)
+from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
+from vllm.model_executor.models.utils import WeightsMapper, extract_layer_index, make_layers
 
-from vllm_diffusion.models.decoder_stack import StackRun, run_decoder_stack
-from vllm_diffusion.models.sdar import init_block_diffusion_heads
+from vllm_diffusion.models.attention_heads import init_block_diffusion_heads
+from vllm_diffusion.models.causal_lm import DiffusionCausalLM, pre_norm_layer, run_layers
+from vllm_diffusion.models.step_run import StepRun
 
 
 class LLaDA2Attention(nn.Module):
@@ -170,6 +167,7 @@ class LLaDA2MoE(nn.Module):
 class LLaDA2DecoderLayer(nn.Module):
     def __init__(self, config, vllm_config: VllmConfig, prefix: str) -> None:
         super().__init__()
+        self.layer_index = extract_layer_index(prefix)
         self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.attention = LLaDA2Attention(config, vllm_config, f"{prefix}.attention")
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
@@ -178,10 +176,12 @@ class LLaDA2DecoderLayer(nn.Module):
         else:
             self.mlp = LLaDA2MLP(config, config.intermediate_size, vllm_config, f"{prefix}.mlp")
 
-    @property
-    def self_attn(self) -> LLaDA2Attention:
-        """The decoder stack's name for the attention (the checkpoint's is ``attention``)."""
-        return self.attention
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor,
+                residual: torch.Tensor | None, run: StepRun | None
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The published pre-norm order; returns (positions, hidden, residual) of the rows
+        that continue."""
+        return pre_norm_layer(self, self.attention, positions, hidden, residual, run)
 
 
 @support_torch_compile(dynamic_arg_dims={"input_ids": 0, "positions": -1})
@@ -204,43 +204,16 @@ class LLaDA2Model(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 intermediate_tensors=None, inputs_embeds=None,
-                stack_run: StackRun | None = None) -> torch.Tensor:
-        return run_decoder_stack(self, input_ids, positions, stack_run)
+                stack_run: StepRun | None = None) -> torch.Tensor:
+        return run_layers(self, input_ids, positions, stack_run)
 
 
-class LLaDA2MoeModelLM(nn.Module):
+class LLaDA2MoeModelLM(DiffusionCausalLM):
+    model_cls = LLaDA2Model
+    embedding_name = "word_embeddings"
     hf_to_vllm_mapper = WeightsMapper(orig_to_new_stacked={
         ".mlp.gate_proj": (".mlp.gate_up_proj", 0),
         ".mlp.up_proj": (".mlp.gate_up_proj", 1),
         ".shared_experts.gate_proj": (".shared_experts.gate_up_proj", 0),
         ".shared_experts.up_proj": (".shared_experts.gate_up_proj", 1),
     })
-
-    def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
-        super().__init__()
-        if get_pp_group().world_size > 1:
-            raise NotImplementedError("block-diffusion models do not support pipeline "
-                                      "parallelism")
-        config = vllm_config.model_config.hf_text_config
-        self.config = config
-        self.model = LLaDA2Model(vllm_config=vllm_config, prefix=maybe_prefix(prefix, "model"))
-        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size,
-                                      quant_config=vllm_config.quant_config,
-                                      prefix=maybe_prefix(prefix, "lm_head"))
-        if config.tie_word_embeddings:
-            self.lm_head = self.lm_head.tie_weights(self.model.word_embeddings)
-        self.logits_processor = LogitsProcessor(config.vocab_size)
-
-    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.model.embed_input_ids(input_ids)
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                intermediate_tensors=None, inputs_embeds=None,
-                stack_run: StackRun | None = None) -> torch.Tensor:
-        return self.model(input_ids, positions, stack_run=stack_run)
-
-    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
-        return self.logits_processor(self.lm_head, hidden_states)
-
-    def load_weights(self, weights) -> set[str]:
-        return AutoWeightsLoader(self).load_weights(weights, mapper=self.hf_to_vllm_mapper)

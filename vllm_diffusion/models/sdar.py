@@ -4,9 +4,9 @@ SDAR's architecture is Qwen3 verbatim (weights, names, q/k-norm before RoPE); on
 attention mask and the decoding loop differ. The layers here are built from vLLM's own
 modules (tensor-parallel linears, RMSNorm, RoPE, Qwen3's MLP and MoE block), with names
 that match Qwen3's, so vLLM's weight loading applies unchanged; their attention is built
-on ``BlockDiffusionAttentionBackend`` from the start. Each layer exposes the pieces the
-decoder stack (``decoder_stack.py``) calls one by one, so a policy's hooks run between
-them on any model registered here.
+on ``BlockDiffusionAttentionBackend`` from the start. ``SDARDecoderLayer`` owns its
+forward (Qwen3's pre-norm residual order) and calls the step run's hook points
+(``step_run.py``).
 """
 
 from __future__ import annotations
@@ -15,45 +15,19 @@ import torch
 import torch.nn as nn
 
 from vllm.config import VllmConfig, get_current_vllm_config
-from vllm.distributed import get_pp_group, get_tensor_model_parallel_world_size
-from vllm.model_executor.layers.attention import Attention
 from vllm.model_executor.layers.layernorm import RMSNorm
 from vllm.model_executor.layers.linear import QKVParallelLinear, RowParallelLinear
-from vllm.model_executor.layers.logits_processor import LogitsProcessor
 from vllm.model_executor.layers.rotary_embedding import get_rope
-from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
 from vllm.model_executor.models.qwen2 import Qwen2MLP
-from vllm.model_executor.models.qwen3 import Qwen3ForCausalLM, Qwen3Model
-from vllm.model_executor.models.qwen3_moe import (Qwen3MoeForCausalLM, Qwen3MoeModel,
-                                                  Qwen3MoeSparseMoeBlock)
-from vllm.model_executor.models.utils import PPMissingLayer, extract_layer_index, maybe_prefix
+from vllm.model_executor.models.interfaces import MixtureOfExperts
+from vllm.model_executor.models.qwen3 import Qwen3Model
+from vllm.model_executor.models.qwen3_moe import Qwen3MoeModel, Qwen3MoeSparseMoeBlock
+from vllm.model_executor.models.utils import PPMissingLayer, extract_layer_index
 from vllm.transformers_utils.config import set_default_rope_theta
 
-from vllm_diffusion.attention.backend import BlockDiffusionAttentionBackend
-from vllm_diffusion.models.decoder_stack import StackRun, run_decoder_stack
-
-
-def init_block_diffusion_heads(module: nn.Module, config, vllm_config: VllmConfig, prefix: str,
-                               head_dim: int) -> None:
-    """This rank's head counts and sizes on ``module`` (``num_heads``, ``num_kv_heads``,
-    ``head_dim``, ``q_size``, ``kv_size``, ``scaling``) and its block-diffusion
-    ``attn`` (``{prefix}.attn``)."""
-    tp_size = get_tensor_model_parallel_world_size()
-    total_heads, total_kv_heads = config.num_attention_heads, config.num_key_value_heads
-    if total_heads % tp_size or (total_kv_heads % tp_size and tp_size % total_kv_heads):
-        raise ValueError(f"{total_heads} attention / {total_kv_heads} KV heads cannot be "
-                         f"split over tensor-parallel size {tp_size}")
-    module.num_heads = total_heads // tp_size
-    module.num_kv_heads = max(1, total_kv_heads // tp_size)
-    module.head_dim = head_dim
-    module.q_size = module.num_heads * head_dim
-    module.kv_size = module.num_kv_heads * head_dim
-    module.scaling = head_dim ** -0.5
-    module.attn = Attention(module.num_heads, head_dim, module.scaling,
-                            num_kv_heads=module.num_kv_heads,
-                            cache_config=vllm_config.cache_config,
-                            quant_config=vllm_config.quant_config, prefix=f"{prefix}.attn",
-                            attn_backend=BlockDiffusionAttentionBackend)
+from vllm_diffusion.models.attention_heads import init_block_diffusion_heads
+from vllm_diffusion.models.causal_lm import DiffusionCausalLM, pre_norm_layer, run_layers
+from vllm_diffusion.models.step_run import StepRun
 
 
 class SDARAttention(nn.Module):
@@ -108,7 +82,7 @@ class SDARDecoderLayer(nn.Module):
         config = vllm_config.model_config.hf_text_config
         set_default_rope_theta(config, default_theta=1000000)
         self.self_attn = SDARAttention(config, vllm_config, f"{prefix}.self_attn")
-        layer = extract_layer_index(prefix)
+        self.layer_index = layer = extract_layer_index(prefix)
         sparse = (getattr(config, "num_experts", 0) > 0
                   and layer not in getattr(config, "mlp_only_layers", [])
                   and (layer + 1) % getattr(config, "decoder_sparse_step", 1) == 0)
@@ -123,7 +97,17 @@ class SDARDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
 
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor,
+                residual: torch.Tensor | None, run: StepRun | None
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Qwen3's pre-norm order; returns (positions, hidden, residual) of the rows that
+        continue."""
+        return pre_norm_layer(self, self.self_attn, positions, hidden, residual, run)
+
+
 class SDARModel(Qwen3Model):
+    """Qwen3's model (embedding, layers, norm, weight loading) on ``SDARDecoderLayer``."""
+
     decoder_layer_type = SDARDecoderLayer
 
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
@@ -131,59 +115,41 @@ class SDARModel(Qwen3Model):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 intermediate_tensors=None, inputs_embeds=None,
-                stack_run: StackRun | None = None) -> torch.Tensor:
-        return run_decoder_stack(self, input_ids, positions, stack_run)
+                stack_run: StepRun | None = None) -> torch.Tensor:
+        return run_layers(self, input_ids, positions, stack_run)
 
 
 class SDARMoeModel(Qwen3MoeModel):
+    """Qwen3-MoE's model on ``SDARDecoderLayer``."""
+
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
         super().__init__(vllm_config=vllm_config, prefix=prefix,
                          decoder_layer_type=SDARDecoderLayer)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 intermediate_tensors=None, inputs_embeds=None,
-                stack_run: StackRun | None = None) -> torch.Tensor:
-        return run_decoder_stack(self, input_ids, positions, stack_run)
+                stack_run: StepRun | None = None) -> torch.Tensor:
+        return run_layers(self, input_ids, positions, stack_run)
 
 
-def _build_causal_lm(lm: nn.Module, model_cls: type, vllm_config: VllmConfig,
-                     prefix: str) -> None:
-    """What Qwen3's and Qwen3-MoE's ``*ForCausalLM.__init__`` build, on ``model_cls``."""
-    if get_pp_group().world_size > 1:
-        raise NotImplementedError("block-diffusion models do not support pipeline parallelism")
-    config = vllm_config.model_config.hf_text_config
-    lm.config = config
-    lm.vllm_config = vllm_config
-    lm.quant_config = vllm_config.quant_config
-    lm.model = model_cls(vllm_config=vllm_config, prefix=maybe_prefix(prefix, "model"))
-    lm.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size,
-                                quant_config=vllm_config.quant_config,
-                                prefix=maybe_prefix(prefix, "lm_head"))
-    if config.tie_word_embeddings:
-        lm.lm_head = lm.lm_head.tie_weights(lm.model.embed_tokens)
-    lm.logits_processor = LogitsProcessor(config.vocab_size)
-    lm.make_empty_intermediate_tensors = lm.model.make_empty_intermediate_tensors
+class SDARForCausalLM(DiffusionCausalLM):
+    """The model, its LM head and logits, with Qwen3's weight names."""
+
+    model_cls = SDARModel
+    packed_modules_mapping = {"qkv_proj": ["q_proj", "k_proj", "v_proj"],
+                              "gate_up_proj": ["gate_proj", "up_proj"]}
+    embedding_modules = {"embed_tokens": "input_embeddings", "lm_head": "output_embeddings"}
 
 
-class SDARForCausalLM(Qwen3ForCausalLM):
+class SDARMoeForCausalLM(SDARForCausalLM, MixtureOfExperts):
+    """SDAR-MoE: Qwen3-MoE's sparse blocks, with vLLM's expert bookkeeping."""
+
+    model_cls = SDARMoeModel
+    packed_modules_mapping = {"qkv_proj": ["q_proj", "k_proj", "v_proj"]}
+
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
-        nn.Module.__init__(self)
-        _build_causal_lm(self, SDARModel, vllm_config, prefix)
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                intermediate_tensors=None, inputs_embeds=None,
-                stack_run: StackRun | None = None) -> torch.Tensor:
-        return self.model(input_ids, positions, stack_run=stack_run)
-
-
-class SDARMoeForCausalLM(Qwen3MoeForCausalLM):
-    def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
-        nn.Module.__init__(self)
-        _build_causal_lm(self, SDARMoeModel, vllm_config, prefix)
-        # Expert bookkeeping Qwen3-MoE exposes (vLLM's MixtureOfExperts interface).
-        sparse = [layer.mlp for layer in self.model.layers
-                  if not isinstance(layer, PPMissingLayer)
-                  and isinstance(layer.mlp, Qwen3MoeSparseMoeBlock)]
+        super().__init__(vllm_config=vllm_config, prefix=prefix)
+        sparse = self._sparse_blocks()
         if not sparse:
             raise RuntimeError("the SDAR MoE config puts no sparse MoE block in any layer")
         self.moe_layers = [mlp.experts for mlp in sparse]
@@ -197,7 +163,18 @@ class SDARMoeForCausalLM(Qwen3MoeForCausalLM):
         self.num_routed_experts = example.n_routed_experts
         self.num_redundant_experts = example.n_redundant_experts
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                intermediate_tensors=None, inputs_embeds=None,
-                stack_run: StackRun | None = None) -> torch.Tensor:
-        return self.model(input_ids, positions, stack_run=stack_run)
+    def _sparse_blocks(self) -> list[Qwen3MoeSparseMoeBlock]:
+        return [layer.mlp for layer in self.model.layers
+                if not isinstance(layer, PPMissingLayer)
+                and isinstance(layer.mlp, Qwen3MoeSparseMoeBlock)]
+
+    def update_physical_experts_metadata(self, num_physical_experts: int,
+                                         num_local_physical_experts: int) -> None:
+        self.num_physical_experts = num_physical_experts
+        self.num_local_physical_experts = num_local_physical_experts
+        self.num_redundant_experts = num_physical_experts - self.num_logical_experts
+        for moe in self._sparse_blocks():
+            moe.n_local_physical_experts = num_local_physical_experts
+            moe.n_physical_experts = num_physical_experts
+            moe.n_redundant_experts = self.num_redundant_experts
+            moe.experts.update_expert_map()

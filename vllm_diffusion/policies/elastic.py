@@ -17,8 +17,9 @@ size with fewer than ``min_observations`` observed request-steps is estimated fr
 as N(B) * (c / B) ** 0.5 commits (a concave guess: commits grow with the window but with
 diminishing returns) and c + (rows(B) - B) rows. Every ``explore_every``-th step tries
 the least observed size, so every estimate keeps being measured. A request's own
-``chunk_size`` overrides the choice for it. Unmasking and chunk windows are the standard
-policy's (``standard.py``); committed KV is exact whatever the chunk.
+``chunk_size`` overrides the choice for it. Unmasking is the strategies'
+(``unmasking.py``), chunk windows the chunk-window component's (``chunk_window.py``), as
+for ``standard``; committed KV is exact whatever the chunk.
 """
 
 from __future__ import annotations
@@ -30,13 +31,17 @@ from typing import Any, ClassVar
 import torch
 
 from vllm_diffusion.options import Rule, option
+from vllm_diffusion.policies.chunk_window import ChunkConfig, ChunkWindow
 from vllm_diffusion.policies.latency_model import LatencyProfile
-from vllm_diffusion.policies.standard import StandardPolicy, StandardPolicyConfig
-from vllm_diffusion.worker.request_state import DiffusionRequest
+from vllm_diffusion.policies.unmasking import StrategyPolicy
+from vllm_diffusion.step.plans import BlockStepPlan
+from vllm_diffusion.step.request import DiffusionRequest
+
+ElasticRequest = DiffusionRequest["ElasticConfig", ChunkWindow]
 
 
 @dataclasses.dataclass(frozen=True)
-class ElasticPolicyConfig(StandardPolicyConfig):
+class ElasticConfig(ChunkConfig):
     engine_only: ClassVar[tuple[str, ...]] = ("latency_profile", "warmup_steps",
                                               "explore_every")
 
@@ -79,12 +84,12 @@ class ChunkStatistics:
                 max(chunk + rows - block_size, chunk))
 
 
-class ElasticPolicy(StandardPolicy):
+class ElasticPolicy(StrategyPolicy[ElasticConfig, ChunkWindow]):
     name: ClassVar[str] = "elastic"
-    config_cls: ClassVar[type] = ElasticPolicyConfig
+    config_cls: ClassVar[type] = ElasticConfig
 
     def __init__(self, block_size: int, mask_token_id: int,
-                 engine_config: ElasticPolicyConfig) -> None:
+                 engine_config: ElasticConfig) -> None:
         super().__init__(block_size, mask_token_id, engine_config)
         self.candidates = [c for c in range(1, block_size + 1) if block_size % c == 0
                            and (c & (c - 1) == 0 or c == block_size)]
@@ -100,7 +105,10 @@ class ElasticPolicy(StandardPolicy):
                              "by tools/profile_latency.py for this model on this machine")
         self.profile = LatencyProfile.load(path, hf_config)
 
-    def begin_step(self, requests: list[DiffusionRequest]) -> None:
+    def new_state(self, config: ElasticConfig) -> ChunkWindow:
+        return ChunkWindow(self.block_size)
+
+    def begin_step(self, requests: list[ElasticRequest]) -> None:
         self.steps_begun += 1
         config = self.engine_config
         if not requests or self.steps_begun <= config.warmup_steps:
@@ -119,13 +127,18 @@ class ElasticPolicy(StandardPolicy):
 
         return max(self.candidates, key=rate)
 
-    def chunk_for(self, request: DiffusionRequest) -> int | None:
-        chunk = request.policy_config.chunk_size or self.step_chunk
-        return None if chunk >= self.block_size else chunk
+    def start_block(self, request: ElasticRequest, resumed: bool) -> None:
+        request.policy_state.start_block()
 
-    def after_step(self, request: DiffusionRequest, masked_before: torch.Tensor,
+    def plan_step(self, request: ElasticRequest) -> BlockStepPlan:
+        chunk = request.policy_config.chunk_size or self.step_chunk
+        return request.policy_state.plan(request.canvas, self.mask_token_id,
+                                         None if chunk >= self.block_size else chunk,
+                                         request.policy_config.chunk_reuse)
+
+    def after_step(self, request: ElasticRequest, masked_before: torch.Tensor,
                    computed: torch.Tensor, num_decoded: int) -> None:
-        super().after_step(request, masked_before, computed, num_decoded)
         state = request.policy_state
+        state.after_step(masked_before, request.policy_config.chunk_reuse)
         self.statistics.observe(state.chunk or self.block_size, num_decoded,
                                 int(computed.sum()))

@@ -12,7 +12,7 @@ starts at position N:
   head scores the committed prefix keys (scaled dot product), the scores are averaged over
   the heads (one list per layer, as the authors' code does; ``per_kv_head``: one list per KV
   head), max-pooled with kernel ``pool_kernel``, and the top floor(``retention_ratio`` * N)
-  positions are kept (``attention.sparse_prefix.select_prefix``);
+  positions are kept (``kernels.sparse_prefix.select_prefix``);
 - i > ``delay_steps``: the block's rows attend to the kept prefix positions plus the block
   itself (cache state 2).
 
@@ -31,11 +31,11 @@ from typing import Any, ClassVar
 
 import torch
 
-from vllm_diffusion.attention.sparse_prefix import PrefixScoring, PrefixSparsity, RowSplit
 from vllm_diffusion.options import OptionError, Rule, option
-from vllm_diffusion.policies.base import ForwardStep, LayerHooks, LayerInput, StepHooks
-from vllm_diffusion.policies.standard import StrategyConfig, StrategyPolicy
-from vllm_diffusion.worker.request_state import DiffusionRequest
+from vllm_diffusion.policies.unmasking import StrategyConfig, StrategyPolicy
+from vllm_diffusion.step.hooks import ForwardStep, LayerHooks, LayerInput, StepHooks
+from vllm_diffusion.step.keys import KeyScoring, KeySelection, RowSplit
+from vllm_diffusion.step.request import DiffusionRequest
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,14 +56,11 @@ class SparsePrefixConfig(StrategyConfig):
 class SparsePrefixState:
     """Per request: the current block's kept prefix positions."""
 
-    block_start: int = -1
     # [L, H_sel, k] int64 (model device), -1 where a layer has not selected yet
     kept: torch.Tensor | None = None
 
-    def start_block(self, block_start: int) -> None:
-        if block_start != self.block_start:
-            self.block_start = block_start
-            self.kept = None
+
+SparsePrefixRequest = DiffusionRequest[SparsePrefixConfig, SparsePrefixState]
 
 
 class SparsePrefixHooks(StepHooks):
@@ -71,8 +68,8 @@ class SparsePrefixHooks(StepHooks):
     sparsely (with their kept lists stacked once for the step)."""
 
     def __init__(self, step: ForwardStep, num_layers: int, num_kv_heads: int,
-                 scoring: list[tuple[int, DiffusionRequest, int]],
-                 sparse: list[tuple[int, DiffusionRequest]]) -> None:
+                 scoring: list[tuple[int, SparsePrefixRequest, int]],
+                 sparse: list[tuple[int, SparsePrefixRequest]]) -> None:
         self.layers = LayerHooks(select_keys=tuple(range(num_layers)))
         self.block_rows = [0 if s.block_rows is None else len(s.block_rows)
                            for s in step.requests]
@@ -92,13 +89,13 @@ class SparsePrefixHooks(StepHooks):
             for row, kept in zip(self.kept, lists):
                 row[:, :, :kept.shape[2]] = kept  # a shared list broadcasts over KV heads
 
-    def select_keys(self, layer_input: LayerInput) -> PrefixSparsity:
+    def select_keys(self, layer_input: LayerInput) -> KeySelection:
         layer = layer_input.layer
-        scoring = [PrefixScoring(index, keep, request.policy_config.pool_kernel,
+        scoring = [KeyScoring(index, keep, request.policy_config.pool_kernel,
                                  request.policy_config.per_kv_head,
                                  _recorder(request.policy_state, layer))
                    for index, request, keep in self.scoring]
-        return PrefixSparsity(self.block_rows, self.prefix_lens, self.sparse,
+        return KeySelection(self.block_rows, self.prefix_lens, self.sparse,
                               None if self.kept is None else self.kept[:, layer], scoring,
                               self.split)
 
@@ -109,7 +106,7 @@ def _recorder(state: SparsePrefixState, layer: int):
     return record
 
 
-class SparsePrefixPolicy(StrategyPolicy):
+class SparsePrefixPolicy(StrategyPolicy[SparsePrefixConfig, SparsePrefixState]):
     """Unmasks like ``standard``; the block's rows see a selected part of the prefix."""
 
     name: ClassVar[str] = "sparse_prefix"
@@ -126,13 +123,14 @@ class SparsePrefixPolicy(StrategyPolicy):
         self.num_kv_heads = getattr(hf_config, "num_key_value_heads",
                                     hf_config.num_attention_heads)
 
-    def new_state(self, config: Any) -> SparsePrefixState:
+    def new_state(self, config: SparsePrefixConfig) -> SparsePrefixState:
         return SparsePrefixState()
 
-    def positions_to_compute(self, request: DiffusionRequest,
-                             kv_lost: bool) -> torch.Tensor | None:
-        request.policy_state.start_block(request.canvas.start)
-        return None
+    def start_block(self, request: SparsePrefixRequest, resumed: bool) -> None:
+        # The kept lists index committed prefix positions, whose KV a preemption
+        # recomputes exactly: a resumed block keeps them.
+        if not resumed:
+            request.policy_state.kept = None
 
     def forward_hooks(self, step: ForwardStep) -> StepHooks | None:
         scoring, sparse = [], []
@@ -162,5 +160,5 @@ class SparsePrefixPolicy(StrategyPolicy):
 
         return max(1, self.num_kv_heads // get_tensor_model_parallel_world_size())
 
-    def on_block_complete(self, request: DiffusionRequest) -> None:
+    def on_block_complete(self, request: SparsePrefixRequest) -> None:
         request.policy_state.kept = None

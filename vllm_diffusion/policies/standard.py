@@ -1,257 +1,45 @@
-"""Standard block-diffusion decoding: every step computes the whole block.
-
-Unmasking strategies follow SDAR's published ``generate.py`` and LMDeploy:
-
-- ``low_confidence_dynamic`` (SDAR): commit every masked position whose confidence is
-  above ``threshold`` if there are at least the step's quota of them, else the top quota.
-- ``low_confidence_static``: commit the top quota by confidence.
-- ``sequential``: commit the leftmost quota of masked positions.
-- ``threshold`` (LMDeploy / SGLang): commit the most confident masked position plus every
-  masked position with confidence at least ``threshold``.
-
-Chunked decoding (Optimus, section 4.4: streaming reorganisation), with ``chunk_size`` c:
-each step computes only the first c undecided positions of the block (re-chosen every
-step) and the decoded positions left of the c-th as context (all of the block once no
-more than c positions are undecided); nothing right of the window is computed or attended
-to, and only undecided positions in the window may be committed. Decoded positions left
-of the chunk are recomputed (exact) or, with ``chunk_reuse``, keep their KV by the
-intra-block cache's rule. With c = B and no reuse it is whole-block decoding. Committed KV
-is always exact.
-
-The quota of step ``s`` spreads the block over ``denoising_steps`` steps
-(``B // steps`` plus one for the first ``B % steps`` steps), so every strategy finishes a
-block within ``denoising_steps`` steps; ``threshold`` commits everything left at its last
-allowed step.
-"""
+"""Standard block-diffusion decoding: every step computes the whole block, or the chunk
+window of chunked decoding (``chunk_window.py``), and unmasks by one of the strategies of
+``unmasking.py``."""
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, ClassVar
+from typing import ClassVar
 
 import torch
 
-from vllm_diffusion.options import OptionError, Rule, option
-from vllm_diffusion.policies.base import CommitBatch, DecodingPolicy, EditBatch, PolicyConfig
-from vllm_diffusion.policies.block_cache import IntraBlockCache
-from vllm_diffusion.worker.request_state import DiffusionRequest
-
-STRATEGIES = ("low_confidence_dynamic", "low_confidence_static", "sequential", "threshold")
+from vllm_diffusion.policies.chunk_window import ChunkConfig, ChunkWindow
+from vllm_diffusion.policies.unmasking import StrategyPolicy
+from vllm_diffusion.step.plans import BlockStepPlan
+from vllm_diffusion.step.request import DiffusionRequest
 
 
 @dataclasses.dataclass(frozen=True)
-class StrategyConfig(PolicyConfig):
-    """Options of the policies that unmask by one of ``STRATEGIES``."""
-
-    strategy: str = option("low_confidence_dynamic", Rule(str, choices=STRATEGIES))
-    threshold: float = option(0.9, Rule(float, low=0.0, high=1.0))
-    # Cap on denoising steps per block; None means one step per block position.
-    denoising_steps: int | None = option(None, Rule(int, low=1, high=4096, optional=True))
-    # LLaDA2.1 token editing: a filled position of the current block takes the model's
-    # token when it differs with probability above this (None: no editing).
-    editing_threshold: float | None = option(None, Rule(float, low=0.0, high=1.0,
-                                                        optional=True))
-    # Steps a block may run with no mask left before it ends anyway (editing only).
-    max_post_steps: int = option(16, Rule(int, low=0, high=4096))
-
-    def validate_for_block(self, block_size: int, source: str) -> None:
-        if self.denoising_steps is not None and self.denoising_steps > block_size:
-            raise OptionError(
-                f"{source}: option 'denoising_steps' must be at most the block size "
-                f"({block_size}), got {self.denoising_steps}"
-            )
-
-    def refuse_editing_with(self, source: str, reason: str) -> None:
-        """Raise if editing is on: ``reason`` says why this configuration cannot honour it."""
-        if self.editing_threshold is not None:
-            raise OptionError(f"{source}: option 'editing_threshold' cannot apply {reason}")
-
-    def steps_for(self, block_size: int) -> int:
-        return self.denoising_steps or block_size
+class StandardConfig(ChunkConfig):
+    """The strategy and chunk-window options (see ``chunk_window.ChunkConfig``)."""
 
 
-@dataclasses.dataclass(frozen=True)
-class StandardPolicyConfig(StrategyConfig):
-    # Positions computed per step (None: the whole block); must divide the block size.
-    chunk_size: int | None = option(None, Rule(int, low=1, high=1024, optional=True))
-    chunk_reuse: bool = option(False, Rule(bool))
-
-    def validate_for_block(self, block_size: int, source: str) -> None:
-        super().validate_for_block(block_size, source)
-        if self.chunk_size is not None or self.chunk_reuse:
-            self.refuse_editing_with(source, "with 'chunk_size' or 'chunk_reuse' (positions "
-                                             "outside the chunk or reused from the cache "
-                                             "get no new proposal)")
-        if self.chunk_size is not None and block_size % self.chunk_size:
-            raise OptionError(
-                f"{source}: option 'chunk_size' must divide the block size ({block_size}), "
-                f"got {self.chunk_size}")
-
-
-def step_quota(block_size: int, steps: int, step: int) -> int:
-    """Positions to commit at denoising step ``step`` of a block (SDAR's schedule)."""
-    if step >= steps:
-        return block_size
-    return block_size // steps + (1 if step < block_size % steps else 0)
-
-
-def top_by_confidence(confidence: torch.Tensor, k: int) -> torch.Tensor:
-    """Indices of the ``k`` largest confidences; ties go to the lower position."""
-    order = torch.sort(confidence, descending=True, stable=True).indices
-    return order[:k]
-
-
-def choose_commits(confidence: torch.Tensor, masked: torch.Tensor, step: int,
-                   block_size: int, config: StrategyConfig) -> torch.Tensor:
-    """Which positions of one block to commit this step (the plain reference of
-    ``batched_choose_commits``).
-
-    confidence: [B] float, the probability of each position's proposed token.
-    masked:     [B] bool, positions still holding the mask token.
-    Returns a [B] bool tensor; only masked positions are ever chosen, at least one if any
-    position is masked.
-    """
-    num_masked = int(masked.sum())
-    commit = torch.zeros_like(masked)
-    if num_masked == 0:
-        return commit
-    steps = config.steps_for(block_size)
-    quota = min(step_quota(block_size, steps, step), num_masked)
-    conf = torch.where(masked, confidence, torch.full_like(confidence, float("-inf")))
-    strategy = config.strategy
-    if strategy == "sequential":
-        commit[torch.nonzero(masked).flatten()[:quota]] = True
-    elif strategy == "low_confidence_static":
-        commit[top_by_confidence(conf, quota)] = True
-    elif strategy == "low_confidence_dynamic":
-        above = masked & (confidence > config.threshold)
-        if int(above.sum()) >= quota:
-            commit = above
-        else:
-            commit[top_by_confidence(conf, quota)] = True
-    elif strategy == "threshold":
-        if step >= steps - 1:
-            return masked.clone()
-        commit = masked & (confidence >= config.threshold)
-        commit[top_by_confidence(conf, 1)] = True
-    else:  # parse_options restricts strategy to STRATEGIES
-        raise AssertionError(strategy)
-    return commit
-
-
-def batched_choose_commits(confidence: torch.Tensor, masked: torch.Tensor,
-                           steps_taken: torch.Tensor, steps_allowed: torch.Tensor,
-                           strategy: torch.Tensor, threshold: torch.Tensor) -> torch.Tensor:
-    """``choose_commits`` for R blocks at once (the engine's path; tested against it).
-
-    confidence, masked: [R, B]; steps_taken (the block's step), steps_allowed (its
-    ``steps_for``), strategy (index into ``STRATEGIES``): [R] int64; threshold: [R] float.
-    """
-    num_rows, block = masked.shape
-    num_masked = masked.sum(dim=1)
-    base, extra = block // steps_allowed, block % steps_allowed
-    quota = torch.where(steps_taken >= steps_allowed, torch.full_like(base, block),
-                        base + (steps_taken < extra).long())
-    quota = torch.minimum(quota, num_masked)[:, None]  # [R, 1]
-    conf = torch.where(masked, confidence, torch.full_like(confidence, float("-inf")))
-    order = torch.sort(conf, dim=1, descending=True, stable=True).indices
-    rank = torch.empty_like(order).scatter_(
-        1, order, torch.arange(block).expand(num_rows, block).contiguous())
-    top = (rank < quota) & masked
-    sequential = masked & (masked.cumsum(dim=1) <= quota)
-    above = masked & (confidence > threshold[:, None])
-    dynamic = torch.where((above.sum(dim=1, keepdim=True) >= quota), above, top)
-    last_step = (steps_taken >= steps_allowed - 1)[:, None]
-    by_threshold = torch.where(
-        last_step, masked, (masked & (confidence >= threshold[:, None])) | ((rank < 1) & masked))
-    choices = torch.stack([dynamic, top, sequential, by_threshold])  # STRATEGIES order
-    return choices[strategy, torch.arange(num_rows)]
-
-
-@dataclasses.dataclass
-class ChunkState:
-    """Per request: this step's chunk window and, with ``chunk_reuse``, the current
-    block's intra-block cache."""
-
-    block_size: int
-    chunk: int | None = None  # this step's chunk size (None: whole block)
-    window_end: int | None = None  # block positions [0, window_end) computed or attended
-    block_start: int = -1
-    cache: IntraBlockCache | None = None
-
-    def start_block(self, block_start: int, kv_lost: bool) -> None:
-        if block_start != self.block_start or kv_lost:
-            self.block_start = block_start
-            self.cache = IntraBlockCache(self.block_size)
-
-
-class StrategyPolicy(DecodingPolicy):
-    """Base of the policies that unmask by one of ``STRATEGIES`` (the commit choice only;
-    what to compute is each policy's own), with LLaDA2.1 token editing where a request
-    asks for it (``editing_threshold``)."""
-
-    def edits_tokens(self, request: DiffusionRequest) -> bool:
-        return request.policy_config.editing_threshold is not None
-
-    def choose_edits(self, batch: EditBatch) -> torch.Tensor | None:
-        limits = [r.policy_config.editing_threshold for r in batch.requests]
-        if all(limit is None for limit in limits):
-            return None
-        limit = torch.tensor([float("inf") if x is None else x for x in limits])
-        return (batch.filled & (batch.proposals != batch.tokens)
-                & (batch.confidence > limit[:, None]))
-
-    def block_ends(self, request: DiffusionRequest, edited: bool) -> bool:
-        return not edited or request.canvas.post_steps >= request.policy_config.max_post_steps
-
-    def choose_commits(self, batch: CommitBatch) -> torch.Tensor:
-        configs = [r.policy_config for r in batch.requests]
-        return batched_choose_commits(
-            batch.confidence, batch.masked,
-            torch.tensor([r.canvas.steps for r in batch.requests], dtype=torch.long),
-            torch.tensor([c.steps_for(self.block_size) for c in configs], dtype=torch.long),
-            torch.tensor([STRATEGIES.index(c.strategy) for c in configs], dtype=torch.long),
-            torch.tensor([c.threshold for c in configs], dtype=torch.float32))
-
-
-class StandardPolicy(StrategyPolicy):
+class StandardPolicy(StrategyPolicy[StandardConfig, ChunkWindow]):
     """Unmasks by one of ``STRATEGIES``, computing the whole block or a chunk of it."""
 
     name: ClassVar[str] = "standard"
-    config_cls: ClassVar[type] = StandardPolicyConfig
+    config_cls: ClassVar[type] = StandardConfig
 
-    def new_state(self, config: Any) -> ChunkState:
-        return ChunkState(self.block_size)
+    def new_state(self, config: StandardConfig) -> ChunkWindow:
+        return ChunkWindow(self.block_size)
 
-    def chunk_for(self, request: DiffusionRequest) -> int | None:
-        """This step's chunk size for ``request`` (None: the whole block)."""
-        return request.policy_config.chunk_size
+    def start_block(self, request: DiffusionRequest[StandardConfig, ChunkWindow],
+                    resumed: bool) -> None:
+        request.policy_state.start_block()
 
-    def positions_to_compute(self, request: DiffusionRequest,
-                             kv_lost: bool) -> torch.Tensor | None:
-        config, state = request.policy_config, request.policy_state
-        state.chunk = chunk = self.chunk_for(request)
-        if chunk is None and not config.chunk_reuse:  # whole-block decoding
-            state.window_end = None
-            return None
-        masked = request.canvas.masked(self.mask_token_id)
-        undecided = torch.nonzero(masked).flatten()
-        # The window ends after the chunk-th undecided position, or at the block end when
-        # no more than a chunk is left undecided.
-        whole = chunk is None or len(undecided) <= chunk
-        state.window_end = None if whole else int(undecided[chunk - 1]) + 1
-        if not config.chunk_reuse:
-            return None if whole else torch.arange(self.block_size) < state.window_end
-        state.start_block(request.canvas.start, kv_lost)
-        compute = masked | state.cache.processing_set()
-        if not whole:
-            compute &= torch.arange(self.block_size) < state.window_end
-        return compute
+    def plan_step(self, request: DiffusionRequest[StandardConfig, ChunkWindow]
+                  ) -> BlockStepPlan:
+        config = request.policy_config
+        return request.policy_state.plan(request.canvas, self.mask_token_id,
+                                         config.chunk_size, config.chunk_reuse)
 
-    def block_key_end(self, request: DiffusionRequest) -> int | None:
-        return request.policy_state.window_end
-
-    def after_step(self, request: DiffusionRequest, masked_before: torch.Tensor,
-                   computed: torch.Tensor, num_decoded: int) -> None:
-        if request.policy_config.chunk_reuse:
-            request.policy_state.cache.update(masked_before)
+    def after_step(self, request: DiffusionRequest[StandardConfig, ChunkWindow],
+                   masked_before: torch.Tensor, computed: torch.Tensor,
+                   num_decoded: int) -> None:
+        request.policy_state.after_step(masked_before, request.policy_config.chunk_reuse)

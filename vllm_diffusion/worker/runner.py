@@ -22,13 +22,14 @@ from vllm.logger import init_logger
 
 from vllm_diffusion.attention.backend import BlockDiffusionMetadata
 from vllm_diffusion.config import engine_config_from_vllm, wants_step_map
-from vllm_diffusion.models.decoder_stack import StackRun
-from vllm_diffusion.policies.base import CommitBatch, EditBatch, ForwardStep, StepHooks
+from vllm_diffusion.models.step_run import StepRun
+from vllm_diffusion.step.hooks import ForwardStep, StepHooks
+from vllm_diffusion.step.plans import CommitBatch, EditBatch
+from vllm_diffusion.step.request import DiffusionRequest
+from vllm_diffusion.step.rows import StepRows
 from vllm_diffusion.worker.geometry import BlockGeometry
-from vllm_diffusion.worker.importance_recording import ImportanceRecorder
 from vllm_diffusion.worker.outputs import DiffusionRunnerOutput, empty_output
-from vllm_diffusion.worker.request_state import DiffusionRequest
-from vllm_diffusion.worker.sampling import propose_for_requests
+from vllm_diffusion.worker.proposal import ProposalPipeline
 from vllm_diffusion.worker.step_plan import (
     KnownTokens,
     RequestRows,
@@ -76,6 +77,23 @@ class DenoisedBlock:
     num_computed: int  # its block positions with logits
 
 
+@dataclasses.dataclass
+class StepDecisions:
+    """What the step decided for its R denoised blocks: [R, B] tensors (host) and their
+    per-block summaries."""
+
+    commits: torch.Tensor  # [R, B] bool: positions unmasked
+    edits: torch.Tensor  # [R, B] bool: filled positions given a new token
+    tokens_after: torch.Tensor  # [R, B] int64: the blocks after commits and edits
+    masked: torch.Tensor  # [R, B] bool: masked before the step
+    computed: torch.Tensor  # [R, B] bool: positions that went through every layer
+    num_decoded: list[int]
+    token_lists: list[list[int]]  # tokens_after as lists
+    no_mask_left: list[bool]
+    edited: list[bool]
+    began_unmasked: list[bool]  # the step started with no masked position
+
+
 class DiffusionRunnerMixin:
     """Mixed into vLLM's ``GPUModelRunner`` / ``CPUModelRunner``."""
 
@@ -86,10 +104,10 @@ class DiffusionRunnerMixin:
         self.policy = self.diffusion.make_policy()
         self.policy.bind_model(self.vllm_config.model_config.hf_config,
                                bool(self.cache_config.enable_prefix_caching))
+        self.proposals = ProposalPipeline(self.diffusion.mask_token_id)
         self.diffusion_requests: dict[str, DiffusionRequest] = {}
         self.num_layers = self.vllm_config.model_config.hf_config.num_hidden_layers
         self.diffusion_stats = DiffusionStats()
-        self.importance_recorder: ImportanceRecorder | None = None  # the decodability study
 
     def execute_model(self, scheduler_output: Any, intermediate_tensors: Any = None):
         self._update_states(scheduler_output)
@@ -110,9 +128,11 @@ class DiffusionRunnerMixin:
                 failed[req_id] = self._fail_request(req_id, "reading its options", err)
         self.policy.begin_step(scheduled)
         rows = []
+        resumed = scheduler_output.scheduled_cached_reqs.resumed_req_ids
         for request in scheduled:
             try:
-                rows.append(self._plan(request, scheduler_output))
+                rows.append(self._plan(request, scheduler_output,
+                                       request.req_id in resumed))
             except Exception as err:  # noqa: BLE001 - isolated to this request
                 failed[request.req_id] = self._fail_request(request.req_id,
                                                             "planning its step", err)
@@ -124,8 +144,6 @@ class DiffusionRunnerMixin:
         if rows:
             step = forward_step(rows, self.device)
             hooks = self.policy.forward_hooks(step)
-            if self.importance_recorder is not None:
-                hooks = self.importance_recorder.hooks(step, hooks)
             hidden_states, out_rows, layer_rows = self._forward(rows, step, hooks)
             sampled_by_id, step_maps = self._denoise(rows, step, hidden_states, out_rows,
                                                      failed)
@@ -161,13 +179,14 @@ class DiffusionRunnerMixin:
             self.diffusion_requests[req_id] = request
         return request
 
-    def _plan(self, request: DiffusionRequest, scheduler_output: Any) -> RequestRows:
+    def _plan(self, request: DiffusionRequest, scheduler_output: Any,
+              resumed: bool) -> RequestRows:
         req_id = request.req_id
         state = self.requests[req_id]
         return plan_request(
             req_id, KnownTokens(state.prompt_token_ids, state.output_token_ids),
             state.num_computed_tokens, scheduler_output.num_scheduled_tokens[req_id],
-            self.geometry, self.diffusion.mask_token_id, request, self.policy)
+            self.geometry, self.diffusion.mask_token_id, request, self.policy, resumed)
 
     def _forward(self, rows: list[RequestRows], step: ForwardStep, hooks: StepHooks | None
                  ) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
@@ -189,22 +208,21 @@ class DiffusionRunnerMixin:
         for r in rows:
             query_start_loc.append(query_start_loc[-1] + len(r.positions))
         positions = positions.to(device)
-        metadata = BlockDiffusionMetadata(
-            num_actual_tokens=len(positions), query_positions=positions,
-            slot_mapping=slots.to(device), block_table=table.to(device),
-            query_start_loc=query_start_loc, kv_lens=[r.kv_len for r in rows],
-            diffusion_block_size=self.diffusion.block_size)
+        step_rows = StepRows(query_positions=positions, slot_mapping=slots.to(device),
+                             query_start_loc=query_start_loc, kv_lens=[r.kv_len for r in rows])
+        metadata = BlockDiffusionMetadata(rows=step_rows, block_table=table.to(device),
+                                          diffusion_block_size=self.diffusion.block_size)
         layer_names = [name for group in self.kv_cache_config.kv_cache_groups
                        for name in group.layer_names]
         # Steps without hooks run the model as vLLM built it (compiled unless eager);
-        # steps with hooks run the decoder stack eagerly.
+        # steps with hooks run the layers eagerly with the step run.
         run = None
         if hooks is not None:
             block_rows = torch.zeros(step.num_rows, dtype=torch.bool)
             for s in step.requests:
                 if s.block_rows is not None:
                     block_rows[s.block_rows] = True
-            run = StackRun(hooks, block_rows)
+            run = StepRun(hooks, block_rows, step_rows)
         with set_forward_context({name: metadata for name in layer_names},
                                  self.vllm_config, num_tokens=len(positions),
                                  slot_mapping={}, skip_compiled=run is not None):
@@ -256,9 +274,9 @@ class DiffusionRunnerMixin:
         block_size, mask_id = self.diffusion.block_size, self.diffusion.mask_token_id
         logits = self.model.compute_logits(hidden_states[hidden_index.to(self.device)])  # [n, V]
         states = [self.requests[b.rows.req_id] for b in blocks]
-        tokens, confidence = propose_for_requests(
-            logits, mask_id, [b.num_computed for b in blocks],
-            [s.sampling_params for s in states], [s.generator for s in states])
+        tokens, confidence = self.proposals.propose(
+            logits, [b.num_computed for b in blocks], [s.sampling_params for s in states],
+            [s.generator for s in states])
         # Scatter the proposals into [R, B] (host), -inf / mask where not computed.
         block_of_row, position_of_row = where[:, 0], where[:, 1]
         proposals = torch.full((len(blocks), block_size), mask_id, dtype=torch.long)
@@ -283,11 +301,10 @@ class DiffusionRunnerMixin:
             tokens_after = torch.where(edits, proposals, tokens_after)
         else:
             edits = torch.zeros_like(commits)
-        num_decoded = commits.sum(dim=1).tolist()
-        no_mask_left = (tokens_after != mask_id).all(dim=1).tolist()
-        edited = edits.any(dim=1).tolist()
-        began_unmasked = (~masked.any(dim=1)).tolist()
-        token_lists = tokens_after.tolist()
+        decisions = StepDecisions(commits, edits, tokens_after, masked, computed,
+                                  commits.sum(dim=1).tolist(), tokens_after.tolist(),
+                                  (tokens_after != mask_id).all(dim=1).tolist(),
+                                  edits.any(dim=1).tolist(), (~masked.any(dim=1)).tolist())
         sampled: dict[str, list[int]] = {}
         step_maps: dict[str, list[int]] = {}
         for i, (block, state) in enumerate(zip(blocks, states)):
@@ -295,10 +312,7 @@ class DiffusionRunnerMixin:
             if req_id in failed:
                 continue
             try:
-                sampled[req_id] = self._unmask(block, state, commits[i], edits[i],
-                                               num_decoded[i], tokens_after[i], token_lists[i],
-                                               no_mask_left[i], edited[i], began_unmasked[i],
-                                               masked[i], computed[i])
+                sampled[req_id] = self._unmask(block, state, decisions, i)
             except Exception as err:  # noqa: BLE001 - isolated to this request
                 failed[req_id] = self._fail_request(req_id, "unmasking its block", err)
                 continue
@@ -324,28 +338,26 @@ class DiffusionRunnerMixin:
                 rows.append(torch.zeros_like(tensors[-1][i]) if row is None else row[0])
             return torch.stack(rows)
 
-    def _unmask(self, block: DenoisedBlock, state: Any, commit: torch.Tensor,
-                edit: torch.Tensor, num_decoded: int, tokens_after: torch.Tensor,
-                token_list: list[int], no_mask_left: bool, edited: bool,
-                began_unmasked: bool, masked: torch.Tensor, computed: torch.Tensor
-                ) -> list[int]:
-        """Apply one request's commits and edits ([B] bool; ``num_decoded`` commits;
-        ``tokens_after``/``token_list``: its block after them) and return its newly final
-        tokens: the decoded run after its known tokens, or, when its tokens may still
-        change (editing), the whole block once it ends."""
+    def _unmask(self, block: DenoisedBlock, state: Any, decisions: StepDecisions,
+                i: int) -> list[int]:
+        """Apply the commits and edits of block ``i`` of the step to its request and return
+        its newly final tokens: the decoded run after its known tokens, or, when its tokens
+        may still change (editing), the whole block once it ends."""
         request, canvas = block.rows.request, block.rows.canvas
-        canvas.commit(commit | edit, tokens_after, began_unmasked=began_unmasked)
-        block_done = no_mask_left and self.policy.block_ends(request, edited)
-        self.policy.after_step(request, masked, computed, num_decoded)
-        if self.importance_recorder is not None:
-            self.importance_recorder.record(request, masked, commit)
+        num_decoded = decisions.num_decoded[i]
+        canvas.commit(decisions.commits[i] | decisions.edits[i], decisions.tokens_after[i],
+                      began_unmasked=decisions.began_unmasked[i])
+        block_done = (decisions.no_mask_left[i]
+                      and self.policy.block_ends(request, decisions.edited[i]))
+        self.policy.after_step(request, decisions.masked[i], decisions.computed[i],
+                               num_decoded)
         if block_done:
             self.policy.on_block_complete(request)
         num_known = len(state.prompt_token_ids) + len(state.output_token_ids)
         if not block_done and self.policy.edits_tokens(request):
             decoded = []  # its tokens may still change until the block ends
         else:
-            decoded = emit_final_tokens(token_list, canvas.start, num_known,
+            decoded = emit_final_tokens(decisions.token_lists[i], canvas.start, num_known,
                                         self.diffusion.mask_token_id)
         final = truncate_at_stop(decoded, state.sampling_params, len(state.output_token_ids))
         if request.wants_step_map:

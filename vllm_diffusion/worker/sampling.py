@@ -6,8 +6,9 @@ filtered distribution with the request's generator, confidence = its probability
 (SDAR's ``generate.py``). The mask token is never proposed.
 
 ``propose_tokens`` (one request) is the plain reference; the engine proposes for all the
-requests of a step at once with ``propose_for_requests``, tested to give the same tokens
-and confidences, seeded draws included.
+requests of a step at once through the proposal pipeline (``proposal.py``), whose last
+stages are ``draw_for_requests`` here, tested to give the same tokens and confidences,
+seeded draws included.
 """
 
 from __future__ import annotations
@@ -69,15 +70,14 @@ def batched_filter_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor,
     return logits
 
 
-def propose_for_requests(logits: torch.Tensor, mask_token_id: int, counts: list[int],
-                         params: list, generators: list) -> tuple[torch.Tensor, torch.Tensor]:
-    """Proposals for the rows of several requests at once. logits: [n, V], request i owns
-    the next ``counts[i]`` rows; ``params[i]`` its sampling parameters (temperature, top_k,
-    top_p) and ``generators[i]`` its generator. Greedy rows are decided together; sampled
-    rows are filtered together and drawn per request, with its own generator, in request
-    order (so a seeded request draws exactly as when proposed alone)."""
-    logits = logits.float()
-    logits[:, mask_token_id] = float("-inf")
+def draw_for_requests(logits: torch.Tensor, counts: list[int], params: list,
+                      generators: list) -> tuple[torch.Tensor, torch.Tensor]:
+    """Temperature, top-k / top-p and the draw for the rows of several requests at once.
+    logits: [n, V] float32 (the earlier stages applied), request i owns the next
+    ``counts[i]`` rows; ``params[i]`` its sampling parameters (temperature, top_k, top_p)
+    and ``generators[i]`` its generator. Greedy rows are decided together; sampled rows
+    are filtered together and drawn per request, with its own generator, in request order
+    (so a seeded request draws exactly as when proposed alone)."""
     confidence, tokens = logits.softmax(dim=-1).max(dim=-1)
     sampled = [i for i, p in enumerate(params) if p.temperature >= _GREEDY_EPS]
     if not sampled:

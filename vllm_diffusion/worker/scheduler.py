@@ -30,6 +30,7 @@ from vllm.v1.request import RequestStatus
 from vllm.v1.spec_decode.metrics import SpecDecodingStats
 
 from vllm_diffusion.config import STEP_MAP_KEY, engine_config_from_vllm
+from vllm_diffusion.metrics import StepCounters, encode
 from vllm_diffusion.worker.geometry import BlockGeometry
 from vllm_diffusion.worker.outputs import DiffusionRunnerOutput, require_diffusion_output
 
@@ -119,18 +120,14 @@ class BlockDiffusionScheduler(Scheduler):
         return self.finish_requests(failed, RequestStatus.FINISHED_ERROR)
 
     def _diffusion_step_stats(self, runner_output: DiffusionRunnerOutput) -> SpecDecodingStats:
-        """This step's work, in the counters vLLM reports for diffusion models:
-        denoising steps (one per denoised block), canvas positions evaluated (block
-        positions entering the model), and committed (final) tokens. The per-position
-        list, which vLLM's own loggers do not read, carries the positions that reach the
-        last layer (fewer when a policy drops rows), then the positions through each layer.
-        """
-        committed = sum(len(t) for t in runner_output.sampled_token_ids)
-        positions = runner_output.block_positions
-        return SpecDecodingStats(
-            num_spec_tokens=0, num_drafts=runner_output.denoised_blocks,
-            num_draft_tokens=positions[0], num_accepted_tokens=committed,
-            num_draft_tokens_per_pos=[positions[1], *runner_output.layer_block_positions])
+        """This step's work, in the counters vLLM reports for diffusion models
+        (``metrics.encode``)."""
+        return encode(StepCounters(
+            denoised_blocks=runner_output.denoised_blocks,
+            block_positions=runner_output.block_positions[0],
+            positions_after_eviction=runner_output.block_positions[1],
+            committed_tokens=sum(len(t) for t in runner_output.sampled_token_ids),
+            layer_positions=tuple(runner_output.layer_block_positions)))
 
     def make_stats(self, spec_decoding_stats: SpecDecodingStats | None = None, *args: Any,
                    **kwargs: Any):

@@ -17,9 +17,10 @@ import functools
 
 import torch
 
-from vllm_diffusion.policies.base import DecodingPolicy, ForwardStep, StepRequest
+from vllm_diffusion.policies.base import DecodingPolicy
+from vllm_diffusion.step.hooks import ForwardStep, StepRequest
+from vllm_diffusion.step.request import BlockCanvas, DiffusionRequest
 from vllm_diffusion.worker.geometry import BlockGeometry
-from vllm_diffusion.worker.request_state import BlockCanvas, DiffusionRequest
 
 
 class KnownTokens:
@@ -56,14 +57,16 @@ class RequestRows:
 
 
 def plan_request(req_id: str, token_ids: KnownTokens | list[int], num_computed: int,
-                 num_scheduled: int,
-                 geometry: BlockGeometry, mask_token_id: int, request: DiffusionRequest,
-                 policy: DecodingPolicy) -> RequestRows:
+                 num_scheduled: int, geometry: BlockGeometry, mask_token_id: int,
+                 request: DiffusionRequest, policy: DecodingPolicy,
+                 resumed: bool = False) -> RequestRows:
     """Rows of one request for this step; moves the request to its current block.
 
-    The policy picks the block positions to compute (``positions_to_compute``) and, when
-    the step commits exactly the block the request just completed, which of its positions
-    to recompute (``commit_positions``; the others keep their cached KV).
+    Tells the policy when the block starts (a new block, or the same block whose KV a
+    preemption freed: ``resumed``, or a committed prefix to recompute) and asks it for the
+    step's plan: the block positions to compute, how far keys reach, and, when the step
+    commits exactly the block the request just completed, which of its positions to
+    recompute (the others keep their cached KV).
     """
     geometry.check_committed(req_id, num_computed)
     num_tokens = len(token_ids)
@@ -73,28 +76,30 @@ def plan_request(req_id: str, token_ids: KnownTokens | list[int], num_computed: 
                            token_ids[num_computed:committed], committed, committed, None)
     block_size = geometry.block_size
     block_start = geometry.block_start(num_tokens)
-    commit = list(range(num_computed, block_start))
-    commit_tokens = token_ids[num_computed:block_start]
     previous = request.canvas
-    if len(commit) == block_size and previous is not None and previous.start == num_computed:
-        keep = policy.commit_positions(request)
-        if keep is not None:
-            kept = keep.tolist()
-            commit = [p for p, k in zip(commit, kept) if k]
-            commit_tokens = [t for t, k in zip(commit_tokens, kept) if k]
     canvas = request.block_for(block_start, token_ids[block_start:], block_size,
                                mask_token_id)
-    # Recomputing the committed prefix (a resumed preemption) means the block's KV pages
-    # were freed.
-    chosen = policy.positions_to_compute(request, kv_lost=num_computed < block_start)
-    key_end = policy.block_key_end(request)
-    kv_len = block_start + (block_size if key_end is None else key_end)
-    if chosen is None:  # the whole block
+    new_block = canvas is not previous
+    # Recomputing the committed prefix of the same block (a resumed preemption) means the
+    # block's KV pages were freed.
+    kv_lost = resumed or num_computed < block_start
+    if new_block or kv_lost:
+        policy.start_block(request, resumed=not new_block)
+    plan = policy.plan_step(request)
+    commit = list(range(num_computed, block_start))
+    commit_tokens = token_ids[num_computed:block_start]
+    if (plan.commit_recompute is not None and len(commit) == block_size
+            and previous is not None and previous.start == num_computed):
+        kept = plan.commit_recompute.tolist()
+        commit = [p for p, k in zip(commit, kept) if k]
+        commit_tokens = [t for t, k in zip(commit_tokens, kept) if k]
+    kv_len = block_start + (block_size if plan.key_end is None else plan.key_end)
+    if plan.compute is None:  # the whole block
         return RequestRows(
             req_id, commit + list(range(block_start, block_start + block_size)),
             commit_tokens + canvas.tokens.tolist(), kv_len, committed, request,
             _whole_block(block_size))
-    computed = torch.nonzero(chosen).flatten()
+    computed = torch.nonzero(plan.compute).flatten()
     return RequestRows(
         req_id, commit + (computed + block_start).tolist(),
         commit_tokens + canvas.tokens[computed].tolist(), kv_len, committed, request,

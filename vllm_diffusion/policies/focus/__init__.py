@@ -1,6 +1,6 @@
-"""FOCUS (``policy.py``), its forward hooks (``hooks.py``), token selection and the
-intra-block cache (``selection.py``) and the Triton selection kernel."""
+"""FOCUS (``policy.py``) and its forward hooks (``hooks.py``); its selection and importance
+kernels are in ``kernels/``."""
 
-from vllm_diffusion.policies.focus.policy import FocusPolicy, FocusPolicyConfig
+from vllm_diffusion.policies.focus.policy import FocusConfig, FocusPolicy
 
-__all__ = ["FocusPolicy", "FocusPolicyConfig"]
+__all__ = ["FocusConfig", "FocusPolicy"]

@@ -3,7 +3,7 @@
 ``FocusStepHooks`` runs before the attention of layers ``L - 1`` and ``L`` (L =
 ``eviction_layer``). At both it computes the importance of every evicting request's masked
 candidates from that layer's queries and keys; at L, once every row's keys/values are
-known (the decoder stack stores them for all rows), it asks each request's state for its
+known (the attention stores them for all rows), it asks each request's state for its
 budget, selects the retained positions for all requests in one batched call, and returns
 the rows that continue. An evicting request's keys are cut after its rightmost retained
 position: positions left of it have KV at every layer (placeholder integrity), positions
@@ -18,9 +18,9 @@ import dataclasses
 import torch
 
 from vllm_diffusion.attention.importance import step_candidate_importance
-from vllm_diffusion.policies.base import (ForwardStep, LayerHooks, LayerInput, RowSelection,
-                                          StepHooks, StepRequest)
-from vllm_diffusion.policies.focus.selection import selection_kernel
+from vllm_diffusion.kernels.dispatch import kernel
+from vllm_diffusion.step.hooks import (ForwardStep, LayerHooks, LayerInput, RowSelection,
+                                       StepHooks, StepRequest)
 
 
 @dataclasses.dataclass
@@ -80,7 +80,7 @@ class FocusStepHooks(StepHooks):
         if not evicting:
             return None
         device = self.device
-        retained = selection_kernel(device)(
+        retained = kernel("select_retained", device)(
             torch.stack(deltas).to(device),
             torch.stack([b.candidates for b in evicting]).to(device),
             torch.tensor(budgets, device=device),
@@ -98,11 +98,3 @@ class FocusStepHooks(StepHooks):
                 rightmost = int(torch.nonzero(kept).max())
                 kv_lens[block.index] = s.request.canvas.start + rightmost + 1
         return RowSelection(keep, kv_lens)
-
-    def delta(self, block: int) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(I(L) - I(L-1), I(L)) of the candidates of ``self.blocks[block]``."""
-        first = self.importance.get(self.eviction_layer - 1)
-        second = self.importance.get(self.eviction_layer)
-        if first is None or second is None or second[block] is None:
-            return None
-        return second[block] - first[block], second[block]

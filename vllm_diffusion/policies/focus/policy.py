@@ -1,7 +1,7 @@
 """FOCUS: evict non-decodable tokens of a block after an early layer (arXiv 2601.23278).
 
 At layers ``eviction_layer - 1`` and ``eviction_layer`` (0 and 1 in the paper) the
-importance of every masked candidate (``attention/importance.py``) gives the delta
+importance of every masked candidate (``kernels/importance.py``) gives the delta
 I(L) - I(L-1); the top-K candidates by delta (K from ``token_budget``), with the
 structural constraints of ``select_retained``, continue through layer L's attention and
 every later layer; the others are evicted for this step and stay masked (``hooks.py``).
@@ -30,18 +30,20 @@ from typing import Any, ClassVar
 
 import torch
 
+from vllm_diffusion.kernels.selection import CONTEXT_RULES, token_budget
 from vllm_diffusion.options import OptionError, Rule, option
-from vllm_diffusion.policies.base import ForwardStep, StepHooks
+from vllm_diffusion.policies.block_cache import IntraBlockCache
 from vllm_diffusion.policies.focus.hooks import FocusStepHooks
-from vllm_diffusion.policies.focus.selection import CONTEXT_RULES, IntraBlockCache, token_budget
-from vllm_diffusion.policies.standard import STRATEGIES, StrategyConfig, StrategyPolicy
-from vllm_diffusion.worker.request_state import DiffusionRequest
+from vllm_diffusion.policies.unmasking import STRATEGIES, StrategyConfig, StrategyPolicy
+from vllm_diffusion.step.hooks import ForwardStep, StepHooks
+from vllm_diffusion.step.plans import WHOLE_BLOCK, BlockStepPlan
+from vllm_diffusion.step.request import DiffusionRequest
 
 DECODE_RATES = ("across_blocks", "per_block")
 
 
 @dataclasses.dataclass(frozen=True)
-class FocusPolicyConfig(StrategyConfig):
+class FocusConfig(StrategyConfig):
     # Options a request may not change: committed KV is shared through the prefix cache,
     # and the layers the forward hooks run at are fixed for the engine.
     engine_only: ClassVar[tuple[str, ...]] = ("commit", "eviction_layer")
@@ -76,20 +78,20 @@ class FocusRequestState:
     block_size: int
     decoded_steps: int = 0
     decoded_tokens: int = 0
-    block_start: int = -1
     cache: IntraBlockCache | None = None
     # [B] bool: positions that went through every layer at some step of this block (so
     # their KV is valid at all layers)
     ever_processed: torch.Tensor | None = None
+    # [B] bool: with commit='delayed', the positions of the block completed last that its
+    # commit recomputes (the intra-block cache's unfrozen ones), until the commit is planned
+    commit_recompute: torch.Tensor | None = None
 
-    def start_block(self, block_start: int, kv_lost: bool, config: FocusPolicyConfig) -> None:
+    def start_block(self, resumed: bool, config: FocusConfig) -> None:
         """Begin (or, when its KV was lost to a preemption, restart) the block."""
-        if block_start != self.block_start or kv_lost:
-            if block_start != self.block_start and config.decode_rate == "per_block":
-                self.decoded_steps = self.decoded_tokens = 0
-            self.block_start = block_start
-            self.cache = IntraBlockCache(self.block_size)
-            self.ever_processed = torch.zeros(self.block_size, dtype=torch.bool)
+        if not resumed and config.decode_rate == "per_block":
+            self.decoded_steps = self.decoded_tokens = 0
+        self.cache = IntraBlockCache(self.block_size)
+        self.ever_processed = torch.zeros(self.block_size, dtype=torch.bool)
 
     @property
     def mean_decoded(self) -> float:
@@ -97,7 +99,7 @@ class FocusRequestState:
         return self.decoded_tokens / self.decoded_steps if self.decoded_steps else 1.0
 
     def budget(self, delta: torch.Tensor, candidates: torch.Tensor,
-               config: FocusPolicyConfig) -> int | None:
+               config: FocusConfig) -> int | None:
         """K for this step, or None when nothing is evicted. delta: [B] (read at candidates)."""
         if not config.evict or not bool(candidates.any()):
             return None
@@ -105,7 +107,7 @@ class FocusRequestState:
         return budget if budget < int(candidates.sum()) else None
 
     def after_step(self, masked_before: torch.Tensor, computed: torch.Tensor,
-                   num_decoded: int, config: FocusPolicyConfig) -> None:
+                   num_decoded: int, config: FocusConfig) -> None:
         self.cache.update(masked_before)
         self.ever_processed |= computed
         if num_decoded or config.decode_rate == "across_blocks":
@@ -113,15 +115,18 @@ class FocusRequestState:
             self.decoded_tokens += num_decoded
 
 
-class FocusPolicy(StrategyPolicy):
+FocusRequest = DiffusionRequest[FocusConfig, FocusRequestState]
+
+
+class FocusPolicy(StrategyPolicy[FocusConfig, FocusRequestState]):
     """Unmasks like ``standard`` among the positions its forward hooks retained."""
 
     name: ClassVar[str] = "focus"
-    config_cls: ClassVar[type] = FocusPolicyConfig
+    config_cls: ClassVar[type] = FocusConfig
     drops_rows_in_forward: ClassVar[bool] = True
 
     def __init__(self, block_size: int, mask_token_id: int,
-                 engine_config: FocusPolicyConfig) -> None:
+                 engine_config: FocusConfig) -> None:
         super().__init__(block_size, mask_token_id, engine_config)
         self.eviction_layer = engine_config.eviction_layer
 
@@ -136,22 +141,19 @@ class FocusPolicy(StrategyPolicy):
                 "through the prefix cache; add --no-enable-prefix-caching "
                 "(enable_prefix_caching=False)")
 
-    def new_state(self, config: Any) -> FocusRequestState:
+    def new_state(self, config: FocusConfig) -> FocusRequestState:
         return FocusRequestState(self.block_size)
 
-    def positions_to_compute(self, request: DiffusionRequest,
-                             kv_lost: bool) -> torch.Tensor | None:
-        state, config = request.policy_state, request.policy_config
-        state.start_block(request.canvas.start, kv_lost, config)
-        if not config.intra_block_cache:
-            return None
-        return state.cache.processing_set()
+    def start_block(self, request: FocusRequest, resumed: bool) -> None:
+        request.policy_state.start_block(resumed, request.policy_config)
 
-    def commit_positions(self, request: DiffusionRequest) -> torch.Tensor | None:
-        state = request.policy_state
-        if request.policy_config.commit != "delayed" or state.cache is None:
-            return None
-        return state.cache.uncached.clone()
+    def plan_step(self, request: FocusRequest) -> BlockStepPlan:
+        state, config = request.policy_state, request.policy_config
+        commit_recompute, state.commit_recompute = state.commit_recompute, None
+        compute = state.cache.processing_set() if config.intra_block_cache else None
+        if compute is None and commit_recompute is None:
+            return WHOLE_BLOCK
+        return BlockStepPlan(compute, commit_recompute=commit_recompute)
 
     def forward_hooks(self, step: ForwardStep) -> StepHooks | None:
         if not any(s.request is not None and s.request.policy_config.evict
@@ -159,7 +161,12 @@ class FocusPolicy(StrategyPolicy):
             return None
         return FocusStepHooks(step, self.eviction_layer, self.mask_token_id)
 
-    def after_step(self, request: DiffusionRequest, masked_before: torch.Tensor,
+    def after_step(self, request: FocusRequest, masked_before: torch.Tensor,
                    computed: torch.Tensor, num_decoded: int) -> None:
         request.policy_state.after_step(masked_before, computed, num_decoded,
                                         request.policy_config)
+
+    def on_block_complete(self, request: FocusRequest) -> None:
+        state = request.policy_state
+        if request.policy_config.commit == "delayed":
+            state.commit_recompute = state.cache.uncached.clone()

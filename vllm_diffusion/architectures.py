@@ -1,0 +1,7 @@
+"""The model architectures vllm-diffusion registers with vLLM: name -> import path."""
+
+ARCHITECTURES = {
+    "SDARForCausalLM": "vllm_diffusion.models.sdar:SDARForCausalLM",
+    "SDARMoeForCausalLM": "vllm_diffusion.models.sdar:SDARMoeForCausalLM",
+    "LLaDA2MoeModelLM": "vllm_diffusion.models.llada2:LLaDA2MoeModelLM",
+}

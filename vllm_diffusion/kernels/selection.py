@@ -1,0 +1,96 @@
+"""FOCUS token selection: torch references.
+
+Per request and denoising step, over the B positions of its block:
+
+- ``token_budget``: K = min(B, max(ceil(alpha * mean_decoded), N_sigma)) (FOCUS Eq. 4), where
+  N_sigma counts candidates whose importance delta is at least mean + std of the deltas.
+- ``select_retained``: the set S kept after layer 1: the top-K candidates by delta, their
+  left context (AR-context preservation, ``CONTEXT_RULES``), every
+  never-processed masked position left of the rightmost retained one (placeholder
+  integrity), and every decoded position that still needs recomputation. Never empty.
+
+Two context rules (AR-context preservation):
+
+- ``retained_left`` (the paper's Eq. 6, the default): the left neighbour of every retained
+  position, decoded or masked, joins S;
+- ``selected_left`` (the authors' serving code): only a masked candidate directly left of
+  a top-K selected candidate joins S.
+
+The engine batches selection over requests (``batched_select_retained``, or its Triton
+kernel on CUDA: ``dispatch.kernel("select_retained", device)``); tests check these pieces on hand-built inputs.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+CONTEXT_RULES = ("retained_left", "selected_left")
+
+
+def token_budget(delta: torch.Tensor, mean_decoded: float, alpha: float,
+                 block_size: int) -> int:
+    """delta: [n] importance deltas of the candidates (n >= 1). Always in [1, block_size],
+    whatever the floats (a NaN delta counts for nothing, a non-finite product keeps the
+    whole block)."""
+    threshold = delta.mean() + delta.std(unbiased=False)
+    n_sigma = int((delta >= threshold).sum())
+    wanted = alpha * mean_decoded
+    by_rate = math.ceil(wanted) if math.isfinite(wanted) and wanted < block_size else block_size
+    return max(1, min(block_size, max(by_rate, n_sigma)))
+
+
+def select_retained(delta: torch.Tensor, candidates: torch.Tensor, budget: int,
+                    processing: torch.Tensor, ever_processed: torch.Tensor,
+                    context_rule: str = "retained_left") -> torch.Tensor:
+    """The retained set S of one block.
+
+    delta:          [B] float, importance delta (only read at candidates)
+    candidates:     [B] bool, masked positions processed this step
+    budget:         K, number of top candidates to keep
+    processing:     [B] bool, positions processed this step (candidates and decoded
+                    positions that need recomputation)
+    ever_processed: [B] bool, positions processed at an earlier step of this block
+    context_rule:   one of ``CONTEXT_RULES``
+    Returns [B] bool; a subset of ``processing``.
+    """
+    retained = processing & ~candidates  # decoded positions needing recomputation
+    if not bool(candidates.any()):
+        return retained if bool(retained.any()) else processing.clone()
+    scores = torch.where(candidates, delta.float(), torch.full_like(delta.float(), float("-inf")))
+    order = torch.sort(scores, descending=True, stable=True).indices
+    top = torch.zeros_like(candidates)
+    top[order[:min(budget, int(candidates.sum()))]] = True
+    retained |= top
+    # AR-context preservation.
+    if context_rule == "retained_left":
+        left_of_retained = torch.zeros_like(retained)
+        left_of_retained[:-1] = retained[1:]
+        retained |= left_of_retained & processing
+    elif context_rule == "selected_left":
+        left_of_selected = torch.zeros_like(top)
+        left_of_selected[:-1] = top[1:]
+        retained |= left_of_selected & candidates
+    else:
+        raise ValueError(f"unknown context rule {context_rule!r}; one of {CONTEXT_RULES}")
+    # Placeholder integrity: masked positions never processed in this block, left of the
+    # rightmost retained position, have no KV yet; compute them now.
+    rightmost = int(torch.nonzero(retained).max()) if bool(retained.any()) else -1
+    left_of_rightmost = torch.arange(len(retained), device=retained.device) < rightmost
+    retained |= candidates & ~ever_processed & left_of_rightmost
+    if not bool(retained.any()):
+        return processing.clone()
+    return retained
+
+
+def batched_select_retained(delta: torch.Tensor, candidates: torch.Tensor,
+                            budgets: torch.Tensor, processing: torch.Tensor,
+                            ever_processed: torch.Tensor,
+                            selected_left: torch.Tensor) -> torch.Tensor:
+    """``select_retained`` for R requests at once; all arguments [R, B] except budgets and
+    selected_left ([R]; True: the ``selected_left`` context rule for that request)."""
+    return torch.stack([
+        select_retained(d, c, int(k), p, e, "selected_left" if bool(s) else "retained_left")
+        for d, c, k, p, e, s in zip(delta, candidates, budgets, processing, ever_processed,
+                                    selected_left)])

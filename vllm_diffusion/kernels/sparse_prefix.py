@@ -1,0 +1,147 @@
+"""Prefix-sparse attention over a paged KV cache (Sparse-dLLM's prefix side): the plain
+PyTorch reference, the vectorised torch path and the selection of kept prefix positions.
+
+A request whose current block starts at ``prefix_len`` has exact committed KV at positions
+[0, prefix_len). At a layer, its block rows (positions >= prefix_len) attend to the kept
+prefix positions of each KV head (``kept_index[r, h_kv]``: ascending, -1 padding) plus the
+keys of its block under the block-causal rule ([prefix_len, kv_len), key block <= query
+block). Every other row of a step (prefill, commit, requests without a selection) attends
+densely, so committed KV stays exact.
+
+Selection (Sparse-dLLM Algorithm 5, the prefix side): the mean of the block's queries of
+each head scores every prefix key (scaled dot product, no softmax); the scores are averaged
+over the query heads (one list for the layer, as the authors' code does; per KV head: over
+the heads of its group), max-pooled over positions (kernel s, stride 1, padding s // 2),
+and the top ``keep`` positions are kept, ties to the earlier position.
+
+The Triton kernel (``triton_sparse_prefix``) has the signature of
+``sparse_prefix_attention``; tests compare the three attention paths on a named grid.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from vllm_diffusion.kernels.block_attention import gather_kv
+
+
+def select_prefix(block_query: torch.Tensor, kv_cache: torch.Tensor, page_ids: torch.Tensor,
+                  prefix_len: int, scale: float, keep: int, pool_kernel: int,
+                  per_kv_head: bool,
+                  sum_heads: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                  total_heads: int | None = None) -> torch.Tensor:
+    """[H_sel, keep] int64 ascending: the prefix positions kept for one request's block.
+
+    block_query: [n, H, D] the block's queries at this layer. ``sum_heads`` adds a score
+    summed over this rank's heads to the other ranks' (tensor parallel), ``total_heads``
+    the heads over all ranks; H_sel is 1, or H_kv with ``per_kv_head``.
+    """
+    keys, _ = gather_kv(kv_cache, page_ids, prefix_len)  # [N, H_kv, D]
+    num_heads, num_kv_heads = block_query.shape[1], keys.shape[1]
+    mean_query = block_query.float().mean(dim=0)  # [H, D]
+    grouped = mean_query.view(num_kv_heads, num_heads // num_kv_heads, -1)  # [H_kv, G, D]
+    scores = torch.einsum("kgd,nkd->kgn", grouped, keys.float()) * scale  # [H_kv, G, N]
+    if per_kv_head:
+        scores = scores.mean(dim=1)  # [H_kv, N]
+    else:
+        scores = scores.sum(dim=(0, 1))[None]  # [1, N]
+        if sum_heads is not None:
+            scores = sum_heads(scores)
+        scores = scores / (total_heads or num_heads)
+    pooled = torch.nn.functional.max_pool1d(
+        scores[:, None], pool_kernel, stride=1, padding=pool_kernel // 2)[:, 0, :prefix_len]
+    order = torch.sort(pooled, dim=-1, descending=True, stable=True).indices
+    return order[:, :keep].sort(dim=-1).values
+
+
+def sparse_prefix_attention(query: torch.Tensor, kv_cache: torch.Tensor,
+                            query_positions: torch.Tensor, query_start_loc: list[int],
+                            kv_lens: list[int], block_table: torch.Tensor,
+                            diffusion_block_size: int, scale: float,
+                            kept_index: torch.Tensor, prefix_lens: list[int]) -> torch.Tensor:
+    """Attention of block rows over kept prefix keys plus their block (the reference).
+
+    query:           [T, H, D], rows of request r at positions >= prefix_lens[r]
+    query_positions: [T]; query_start_loc: R + 1 row offsets; kv_lens: R key counts
+    block_table:     [R, max_pages]; kept_index: [R, H_kv, K] int64, -1 padding
+    Returns [T, H, D].
+    """
+    num_heads = query.shape[1]
+    num_kv_heads = kv_cache.shape[1]
+    group = num_heads // num_kv_heads
+    output = torch.empty_like(query)
+    for r in range(len(kv_lens)):
+        start, end = query_start_loc[r], query_start_loc[r + 1]
+        if start == end:
+            continue
+        keys, values = gather_kv(kv_cache, block_table[r], kv_lens[r])  # [L, H_kv, D]
+        block = torch.arange(prefix_lens[r], kv_lens[r], device=query.device)
+        q_block = query_positions[start:end, None] // diffusion_block_size
+        for kv_head in range(num_kv_heads):
+            kept = kept_index[r, kv_head]
+            positions = torch.cat([kept[kept >= 0].to(query.device), block])
+            visible = positions[None, :] // diffusion_block_size <= q_block  # [n, K']
+            k = keys[positions, kv_head].to(query.dtype)
+            v = values[positions, kv_head].to(query.dtype)
+            heads = slice(kv_head * group, (kv_head + 1) * group)
+            out = torch.nn.functional.scaled_dot_product_attention(
+                query[start:end, heads].transpose(0, 1), k[None], v[None],
+                attn_mask=visible[None], scale=scale)  # [G, n, D]
+            output[start:end, heads] = out.transpose(0, 1)
+    return output
+
+
+def gathered_sparse_prefix_attention(query: torch.Tensor, kv_cache: torch.Tensor,
+                                     query_positions: torch.Tensor, query_start_loc: list[int],
+                                     kv_lens: list[int], block_table: torch.Tensor,
+                                     diffusion_block_size: int, scale: float,
+                                     kept_index: torch.Tensor,
+                                     prefix_lens: list[int]) -> torch.Tensor:
+    """``sparse_prefix_attention`` vectorised over requests and KV heads (the CPU path):
+    only the kept and block keys are gathered, [R, H_kv, K + max block keys]."""
+    num_rows, num_heads, head_size = query.shape
+    if num_rows == 0:
+        return torch.empty_like(query)
+    device, num_requests = query.device, len(kv_lens)
+    page_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[1]
+    group = num_heads // num_kv_heads
+    counts = torch.tensor([b - a for a, b in zip(query_start_loc[:-1], query_start_loc[1:])],
+                          device=device)
+    max_queries = int(counts.max())
+    block_keys = max(n - p for n, p in zip(kv_lens, prefix_lens))
+    starts = torch.tensor(prefix_lens, device=device)
+    block_positions = starts[:, None] + torch.arange(block_keys, device=device)  # [R, Bk]
+    block_positions = block_positions.masked_fill(
+        block_positions >= torch.tensor(kv_lens, device=device)[:, None], -1)
+    key_positions = torch.cat([kept_index.to(device), block_positions[:, None].expand(
+        -1, num_kv_heads, -1)], dim=-1)  # [R, H_kv, N]
+    valid = key_positions >= 0
+    safe = key_positions.clamp(min=0)
+    table = block_table.to(device)
+    pages = table.gather(1, (safe // page_size).flatten(1)).view_as(safe)
+    heads = torch.arange(num_kv_heads, device=device)[None, :, None]
+    kv = kv_cache[pages, heads, safe % page_size]  # [R, H_kv, N, 2D]
+    keys, values = kv[..., :head_size].to(query.dtype), kv[..., head_size:].to(query.dtype)
+    # Ragged rows -> [R, max_queries]; query heads of a KV head side by side.
+    request_of_row = torch.repeat_interleave(torch.arange(num_requests, device=device), counts)
+    slot_of_row = (torch.arange(num_rows, device=device)
+                   - torch.tensor(query_start_loc[:-1], device=device)[request_of_row])
+    padded = query.new_zeros(num_requests, max_queries, num_heads, head_size)
+    padded[request_of_row, slot_of_row] = query
+    row_block = torch.full((num_requests, max_queries), 1 << 40, dtype=torch.long,
+                           device=device)  # padding rows see every valid key
+    row_block[request_of_row, slot_of_row] = query_positions.to(device) // diffusion_block_size
+    visible = valid[:, :, None, :] & (
+        safe[:, :, None, :] // diffusion_block_size <= row_block[:, None, :, None])  # [R,Hkv,Q,N]
+    grouped = padded.view(num_requests, max_queries, num_kv_heads, group, head_size)
+    grouped = grouped.permute(0, 2, 3, 1, 4).reshape(num_requests, num_kv_heads,
+                                                     group * max_queries, head_size)
+    mask = visible[:, :, None].expand(-1, -1, group, -1, -1).reshape(
+        num_requests, num_kv_heads, group * max_queries, -1)
+    out = torch.nn.functional.scaled_dot_product_attention(
+        grouped, keys, values, attn_mask=mask, scale=scale)  # [R, H_kv, G * Q, D]
+    out = out.view(num_requests, num_kv_heads, group, max_queries, head_size)
+    out = out.permute(0, 3, 1, 2, 4).reshape(num_requests, max_queries, num_heads, head_size)
+    return out[request_of_row, slot_of_row]

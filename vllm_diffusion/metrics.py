@@ -1,0 +1,51 @@
+"""The engine's per-step diffusion counters, encoded once for vLLM's stats path.
+
+vLLM carries diffusion counters in ``SpecDecodingStats`` (as its native diffusion models
+do): denoising steps in ``num_drafts``, canvas positions evaluated in
+``num_draft_tokens``, committed tokens in ``num_accepted_tokens``. What is specific to
+this plugin -- the block positions that reach the last layer (fewer when a policy drops
+rows) and the block positions through each layer -- travels in
+``num_draft_tokens_per_pos``, which vLLM's own loggers do not read. ``encode`` (the
+scheduler) and ``plugin_counters`` (the front end's loggers) are the only two places that
+know that layout.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from vllm.v1.spec_decode.metrics import SpecDecodingStats
+
+
+@dataclasses.dataclass(frozen=True)
+class StepCounters:
+    denoised_blocks: int  # one per request with a block this step
+    block_positions: int  # block positions entering the model
+    positions_after_eviction: int  # block positions reaching the last layer
+    committed_tokens: int
+    layer_positions: tuple[int, ...] = ()  # block positions through each layer
+
+
+@dataclasses.dataclass(frozen=True)
+class PluginCounters:
+    """The counters vLLM has no field for."""
+
+    positions_after_eviction: int
+    layer_positions: tuple[int, ...]
+
+
+def encode(counters: StepCounters) -> SpecDecodingStats:
+    return SpecDecodingStats(
+        num_spec_tokens=0, num_drafts=counters.denoised_blocks,
+        num_draft_tokens=counters.block_positions,
+        num_accepted_tokens=counters.committed_tokens,
+        num_draft_tokens_per_pos=[counters.positions_after_eviction,
+                                  *counters.layer_positions])
+
+
+def plugin_counters(stats: SpecDecodingStats) -> PluginCounters | None:
+    """The plugin's counters in ``stats`` (None: a step that carried none)."""
+    counts = stats.num_draft_tokens_per_pos
+    if not counts:
+        return None
+    return PluginCounters(counts[0], tuple(counts[1:]))

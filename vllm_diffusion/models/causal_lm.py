@@ -1,0 +1,98 @@
+"""What every family's model shares around its layers: the pre-norm layer body with the
+step run's hook points, the layer loop, and the ``ForCausalLM`` module (LM head, logits,
+weight loading)."""
+
+from __future__ import annotations
+
+from itertools import islice
+
+import torch
+import torch.nn as nn
+
+from vllm.config import VllmConfig
+from vllm.distributed import get_pp_group
+from vllm.model_executor.layers.logits_processor import LogitsProcessor
+from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
+from vllm.model_executor.models.utils import AutoWeightsLoader, WeightsMapper, maybe_prefix
+
+from vllm_diffusion.models.step_run import StepRun
+
+
+def pre_norm_layer(layer: nn.Module, attention: nn.Module, positions: torch.Tensor,
+                   hidden: torch.Tensor, residual: torch.Tensor | None, run: StepRun | None
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A pre-norm residual layer (``input_layernorm`` -> attention ->
+    ``post_attention_layernorm`` -> ``mlp``, vLLM's fused add-and-norm) with the run's hook
+    points; the layer of a family with this order calls it from its ``forward``. Returns
+    (positions, hidden, residual) of the rows that continue."""
+    index = layer.layer_index
+    if residual is None:
+        residual = hidden
+        hidden = layer.input_layernorm(hidden)
+    else:
+        hidden, residual = layer.input_layernorm(hidden, residual)
+    q, k, v = attention.project(positions, hidden)
+    if run is not None:
+        q, residual, positions = run.before_attention(index, attention, q, k, residual,
+                                                      positions)
+    hidden = attention.attend(q, k, v)
+    if run is not None:
+        run.after_attention(index)
+    hidden, residual = layer.post_attention_layernorm(hidden, residual)
+    hidden = layer.mlp(hidden)
+    if run is not None and run.wants_output(index):
+        hidden, residual, positions = run.after_output(index, hidden + residual, hidden,
+                                                       residual, positions)
+    return positions, hidden, residual
+
+
+def run_layers(model: nn.Module, input_ids: torch.Tensor, positions: torch.Tensor,
+               run: StepRun | None) -> torch.Tensor:
+    """Embedding, the decoder layers, the final norm (no pipeline parallelism)."""
+    hidden, residual = model.embed_input_ids(input_ids), None
+    for layer in islice(model.layers, model.start_layer, model.end_layer):
+        positions, hidden, residual = layer(positions, hidden, residual, run)
+    hidden, _ = model.norm(hidden, residual)
+    return hidden
+
+
+class DiffusionCausalLM(nn.Module):
+    """A family's ``ForCausalLM``: ``model_cls`` (whose ``forward`` takes ``stack_run``),
+    the LM head (tied to ``embedding_name`` of the model when the config says so), logits
+    and weight loading (with ``hf_to_vllm_mapper`` where the checkpoint's names differ)."""
+
+    model_cls: type[nn.Module]
+    embedding_name: str = "embed_tokens"
+    hf_to_vllm_mapper: WeightsMapper | None = None
+
+    def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
+        super().__init__()
+        if get_pp_group().world_size > 1:
+            raise NotImplementedError("block-diffusion models do not support pipeline "
+                                      "parallelism")
+        config = vllm_config.model_config.hf_text_config
+        self.config = config
+        self.vllm_config = vllm_config
+        self.quant_config = vllm_config.quant_config
+        self.model = self.model_cls(vllm_config=vllm_config,
+                                    prefix=maybe_prefix(prefix, "model"))
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size,
+                                      quant_config=vllm_config.quant_config,
+                                      prefix=maybe_prefix(prefix, "lm_head"))
+        if config.tie_word_embeddings:
+            self.lm_head = self.lm_head.tie_weights(getattr(self.model, self.embedding_name))
+        self.logits_processor = LogitsProcessor(config.vocab_size)
+
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model.embed_input_ids(input_ids)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                intermediate_tensors=None, inputs_embeds=None,
+                stack_run: StepRun | None = None) -> torch.Tensor:
+        return self.model(input_ids, positions, stack_run=stack_run)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
+        return self.logits_processor(self.lm_head, hidden_states)
+
+    def load_weights(self, weights) -> set[str]:
+        return AutoWeightsLoader(self).load_weights(weights, mapper=self.hf_to_vllm_mapper)

@@ -1,0 +1,105 @@
+"""The model contract: how a family's decoder layer runs a diffusion step's hooks.
+
+Each family's layer owns its forward (its residual and norm order) and takes the step's
+run object, ``StepRun``, or None. With None (a step without hooks, which vLLM may
+compile) the layer is plain. With a run, the layer calls its hook points, in this order:
+
+- ``run.before_attention(layer, attention, q, k, *carried)``: after the layer's queries,
+  keys and values (after q/k-norm and RoPE) and before its attention. The hooks of that
+  layer may select keys for the attention (``select_keys``) and drop query rows
+  (``before_attention``); returns the queries and the ``carried`` row tensors (the
+  residual stream, positions, ...) of the rows that continue. The attention still stores
+  every row's keys/values;
+- ``run.after_attention(layer)``: after the attention; rows dropped before it leave the
+  key rows too;
+- ``run.after_output(layer, output, *carried)`` when ``run.wants_output(layer)``: with the
+  layer's output in the residual stream (``output``, which the hook reads); returns the
+  ``carried`` tensors of the rows that continue.
+
+``attention`` is the layer's attention module: its ``num_heads``, ``num_kv_heads``,
+``head_dim`` and ``scaling`` (``attention_heads.init_block_diffusion_heads``) shape what
+the hooks see. The run narrows the step's current rows (``step.rows.StepRows``), which the
+attention reads; after the last layer ``run.rows`` holds the step rows of the output
+hidden states and ``run.layer_block_rows`` the block rows each layer computed.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from vllm_diffusion.kernels.dispatch import kernel
+from vllm_diffusion.step.hooks import LayerInput, RowSelection, StepHooks
+from vllm_diffusion.step.rows import StepRows
+
+
+class StepRun:
+    """One forward of a diffusion step with hooks: the hooks in, its surviving rows out."""
+
+    def __init__(self, hooks: StepHooks, block_rows: torch.Tensor, step_rows: StepRows) -> None:
+        self.hooks = hooks
+        self.declared = hooks.layers
+        self.block_rows = block_rows  # [T] bool (host): the step's block rows
+        self.step_rows = step_rows  # what the attention reads
+        self.rows = torch.arange(len(block_rows))  # [T'] step rows of the current states
+        self.layer_block_rows: list[int] = []  # per layer
+        self._block_count = int(block_rows.sum())
+        self._dropped_keys: torch.Tensor | None = None
+
+    def before_attention(self, layer: int, attention: nn.Module, q: torch.Tensor,
+                         k: torch.Tensor, *carried: torch.Tensor
+                         ) -> tuple[torch.Tensor, ...]:
+        """q [T', H * D], k [T', H_kv * D]; returns (q, *carried) of the continuing rows."""
+        declared, selection = self.declared, None
+        if layer in declared.before_attention or layer in declared.select_keys:
+            layer_input = LayerInput(
+                layer, self.rows, query=q.view(-1, attention.num_heads, attention.head_dim),
+                key=k.view(-1, attention.num_kv_heads, attention.head_dim),
+                scale=attention.scaling)
+            if layer in declared.select_keys:
+                self.step_rows.key_selection = self.hooks.select_keys(layer_input)
+            if layer in declared.before_attention:
+                selection = self.hooks.before_attention(layer_input)
+        if selection is not None:
+            self.step_rows.keep_queries(selection.keep, selection.kv_lens or {})
+            self._dropped_keys = selection.keep
+            q, *carried = self._keep(selection, q, *carried)
+        self.layer_block_rows.append(self._block_count)
+        return (q, *carried)
+
+    def after_attention(self, layer: int) -> None:
+        if self._dropped_keys is not None:
+            self.step_rows.keep_keys(self._dropped_keys)
+            self._dropped_keys = None
+        self.step_rows.key_selection = None
+
+    def wants_output(self, layer: int) -> bool:
+        return layer in self.declared.after_output
+
+    def after_output(self, layer: int, output: torch.Tensor, *carried: torch.Tensor
+                     ) -> tuple[torch.Tensor, ...]:
+        """output: [T', hidden] the layer's output in the residual stream."""
+        selection = self.hooks.after_output(LayerInput(layer, self.rows, hidden=output))
+        if selection is None:
+            return carried
+        self.step_rows.keep_queries(selection.keep, selection.kv_lens or {})
+        self.step_rows.keep_keys(selection.keep)
+        return self._keep(selection, *carried)
+
+    def _keep(self, selection: RowSelection, *tensors: torch.Tensor
+              ) -> tuple[torch.Tensor, ...]:
+        """The continuing rows of each tensor (rows along its last dimension for 1-D
+        positions, its first otherwise); [T', hidden] pairs go through the compaction
+        kernel."""
+        keep_rows = torch.nonzero(selection.keep).flatten()
+        self.rows = self.rows[keep_rows]
+        self._block_count = int(self.block_rows[self.rows].sum())
+        kept = []
+        for tensor in tensors:
+            device_rows = keep_rows.to(tensor.device)
+            if tensor.dim() == 2 and tensor.dtype.is_floating_point:
+                tensor, _ = kernel("compact_rows", tensor.device)(tensor, None, device_rows)
+            else:
+                tensor = tensor[..., device_rows]
+            kept.append(tensor)
+        return tuple(kept)

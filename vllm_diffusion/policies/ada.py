@@ -1,0 +1,157 @@
+"""Ada-DLM: freeze tokens whose confidence trajectory clusters with the most confident one
+(Li et al., "Towards Efficient and Effective Diffusion Language Model Inference via
+Semantic-Aware Adaptive Denoising", section 4.2, Algorithm 1 of appendix B), inside the
+current block of a block-diffusion model.
+
+Every step, over the block's m masked positions (all of them are computed every step):
+
+1. rank-aware centroid initialisation: sort by this step's confidence C_t (ties to the
+   left); with capacity K = ceil(capacity * m), the top-ranked position is the prototype
+   of the high-confidence centroid and the (K+1)-th the prototype of the boundary centroid.
+   When K >= m there is no (K+1)-th: the lowest-ranked masked position is the boundary
+   prototype (with m = 1 both prototypes are the one position, which the at-least-one rule
+   below freezes);
+2. evolution-aware features: v_i = [C_t, C_{t-1}, ..., C_{t-h+1}] (h = ``history``, the
+   paper's 3), the position's confidences over the block's last h steps, 0 before the
+   block's first step; the centroids are the prototypes' vectors;
+3. nearest centroid: D(i) = ||v_i - mu_high||^2 / ||v_i - mu_bound||^2 < 1 freezes the
+   position (a tie stays active, as Algorithm 1's d_high >= d_bound); the top-ranked
+   position is always frozen, so every step commits at least one token.
+
+Freezing commits the position's proposed token. Frozen positions then cost nothing: like
+FOCUS's neighbour-aware intra-block cache (``block_cache.py``), a decoded position is
+recomputed once with its real token and then keeps its KV (Ada-DLM's gather-compute-
+scatter: the step computes only the gathered rows). Committed KV is exact: a completed
+block is re-encoded when it is committed. With ``intra_block_cache=False`` every step
+recomputes the whole block (to separate the decision's effect from the cache's).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import ClassVar
+
+import torch
+
+from vllm_diffusion.options import Rule, option
+from vllm_diffusion.policies.base import DecodingPolicy, PolicyConfig
+from vllm_diffusion.policies.block_cache import IntraBlockCache
+from vllm_diffusion.step.plans import WHOLE_BLOCK, BlockStepPlan, CommitBatch
+from vllm_diffusion.step.request import DiffusionRequest
+
+
+@dataclasses.dataclass(frozen=True)
+class AdaConfig(PolicyConfig):
+    # K as a share of the block's masked positions (the paper: about 15%)
+    capacity: float = option(0.15, Rule(float, low=0.0, high=1.0, low_inclusive=False))
+    history: int = option(3, Rule(int, low=1, high=16))  # confidence steps per feature
+    # False: every step recomputes the whole block (frozen positions included)
+    intra_block_cache: bool = option(True, Rule(bool))
+
+
+def capacity_count(capacity: float, num_masked: int) -> int:
+    """K = ceil(capacity * m), at least 1 (a tolerance keeps 0.15 * 20 at 3)."""
+    return max(1, math.ceil(capacity * num_masked - 1e-9))
+
+
+def freeze_positions(confidence: torch.Tensor, masked: torch.Tensor,
+                     history: torch.Tensor, capacity: float) -> torch.Tensor:
+    """[B] bool: the masked positions Ada-DLM freezes this step.
+
+    confidence: [B] float, this step's confidence (read at masked positions);
+    masked: [B] bool, the candidates; history: [B, h] float, row i the feature vector v_i
+    with this step's confidence first.
+    """
+    frozen = torch.zeros_like(masked)
+    candidates = torch.nonzero(masked).flatten()
+    num = len(candidates)
+    if num == 0:
+        return frozen
+    order = candidates[torch.sort(confidence[candidates], descending=True, stable=True).indices]
+    k = capacity_count(capacity, num)
+    high = history[order[0]]
+    bound = history[order[k] if k < num else order[num - 1]]
+    features = history[candidates]  # [m, h]
+    to_high = (features - high).pow(2).sum(dim=1)
+    to_bound = (features - bound).pow(2).sum(dim=1)
+    frozen[candidates[to_high < to_bound]] = True
+    frozen[order[0]] = True
+    return frozen
+
+
+def batched_freeze_positions(confidence: torch.Tensor, masked: torch.Tensor,
+                             history: torch.Tensor, capacity: torch.Tensor) -> torch.Tensor:
+    """``freeze_positions`` for R blocks at once (the engine's path; tested against it).
+
+    confidence, masked: [R, B]; history: [R, B, h]; capacity: [R] float.
+    """
+    rows = torch.arange(masked.shape[0])
+    num = masked.sum(dim=1)  # [R]
+    scored = torch.where(masked, confidence, torch.full_like(confidence, float("-inf")))
+    order = torch.sort(scored, dim=1, descending=True, stable=True).indices  # [R, B]
+    k = torch.clamp(torch.ceil(capacity.double() * num - 1e-9).long(), min=1)
+    boundary = torch.where(k < num, k, (num - 1).clamp(min=0))
+    high = history[rows, order[:, 0]]  # [R, h]
+    bound = history[rows, order[rows, boundary]]  # [R, h]
+    to_high = (history - high[:, None]).pow(2).sum(dim=2)  # [R, B]
+    to_bound = (history - bound[:, None]).pow(2).sum(dim=2)
+    frozen = masked & (to_high < to_bound)
+    frozen[rows, order[:, 0]] |= num > 0
+    return frozen
+
+
+@dataclasses.dataclass
+class AdaState:
+    block_size: int
+    history_steps: int
+    cache: IntraBlockCache | None = None
+    history: torch.Tensor | None = None  # [B, h] float32 (host), newest confidence first
+
+    def start_block(self) -> None:
+        self.cache = IntraBlockCache(self.block_size)
+        self.history = torch.zeros(self.block_size, self.history_steps)
+
+
+AdaRequest = DiffusionRequest[AdaConfig, AdaState]
+
+
+class AdaPolicy(DecodingPolicy[AdaConfig, AdaState]):
+    name: ClassVar[str] = "ada"
+    config_cls: ClassVar[type] = AdaConfig
+
+    def new_state(self, config: AdaConfig) -> AdaState:
+        return AdaState(self.block_size, config.history)
+
+    def start_block(self, request: AdaRequest, resumed: bool) -> None:
+        request.policy_state.start_block()
+
+    def plan_step(self, request: AdaRequest) -> BlockStepPlan:
+        if not request.policy_config.intra_block_cache:
+            return WHOLE_BLOCK
+        return BlockStepPlan(request.policy_state.cache.processing_set())
+
+    def choose_commits(self, batch: CommitBatch) -> torch.Tensor:
+        states = [r.policy_state for r in batch.requests]
+        lengths = sorted({s.history.shape[1] for s in states})
+        groups = [[i for i, s in enumerate(states) if s.history.shape[1] == h]
+                  for h in lengths]  # one batch per history length
+        commits = torch.zeros_like(batch.masked)
+        histories: list[torch.Tensor | None] = [None] * len(states)
+        for group in groups:
+            masked, confidence = batch.masked[group], batch.confidence[group]
+            previous = torch.stack([states[i].history for i in group])  # [R, B, h]
+            shifted = torch.cat([confidence[..., None], previous[..., :-1]], dim=2)
+            history = torch.where(masked[..., None], shifted, previous)
+            capacity = torch.tensor([batch.requests[i].policy_config.capacity for i in group],
+                                    dtype=torch.float64)
+            commits[group] = batched_freeze_positions(confidence, masked, history, capacity)
+            for i, h in zip(group, history):
+                histories[i] = h
+        for state, history in zip(states, histories):
+            state.history = history
+        return commits
+
+    def after_step(self, request: AdaRequest, masked_before: torch.Tensor,
+                   computed: torch.Tensor, num_decoded: int) -> None:
+        request.policy_state.cache.update(masked_before)

@@ -1,0 +1,179 @@
+"""Unmasking strategies: which masked positions of a block a step commits.
+
+Following SDAR's published ``generate.py`` and LMDeploy:
+
+- ``low_confidence_dynamic`` (SDAR): commit every masked position whose confidence is
+  above ``threshold`` if there are at least the step's quota of them, else the top quota.
+- ``low_confidence_static``: commit the top quota by confidence.
+- ``sequential``: commit the leftmost quota of masked positions.
+- ``threshold`` (LMDeploy / SGLang): commit the most confident masked position plus every
+  masked position with confidence at least ``threshold``.
+
+The quota of step ``s`` spreads the block over ``denoising_steps`` steps
+(``B // steps`` plus one for the first ``B % steps`` steps), so every strategy finishes a
+block within ``denoising_steps`` steps; ``threshold`` commits everything left at its last
+allowed step.
+
+``StrategyPolicy`` is the base of the policies that unmask by one of these (the commit
+choice and LLaDA2.1 token editing; what to compute is each policy's own).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Generic, TypeVar
+
+import torch
+
+from vllm_diffusion.options import OptionError, Rule, option
+from vllm_diffusion.policies.base import DecodingPolicy, PolicyConfig
+from vllm_diffusion.step.plans import CommitBatch, EditBatch
+from vllm_diffusion.step.request import DiffusionRequest
+
+STRATEGIES = ("low_confidence_dynamic", "low_confidence_static", "sequential", "threshold")
+
+
+@dataclasses.dataclass(frozen=True)
+class StrategyConfig(PolicyConfig):
+    """Options of the policies that unmask by one of ``STRATEGIES``."""
+
+    strategy: str = option("low_confidence_dynamic", Rule(str, choices=STRATEGIES))
+    threshold: float = option(0.9, Rule(float, low=0.0, high=1.0))
+    # Cap on denoising steps per block; None means one step per block position.
+    denoising_steps: int | None = option(None, Rule(int, low=1, high=4096, optional=True))
+    # LLaDA2.1 token editing: a filled position of the current block takes the model's
+    # token when it differs with probability above this (None: no editing).
+    editing_threshold: float | None = option(None, Rule(float, low=0.0, high=1.0,
+                                                        optional=True))
+    # Steps a block may run with no mask left before it ends anyway (editing only).
+    max_post_steps: int = option(16, Rule(int, low=0, high=4096))
+
+    def validate_for_block(self, block_size: int, source: str) -> None:
+        if self.denoising_steps is not None and self.denoising_steps > block_size:
+            raise OptionError(
+                f"{source}: option 'denoising_steps' must be at most the block size "
+                f"({block_size}), got {self.denoising_steps}"
+            )
+
+    def refuse_editing_with(self, source: str, reason: str) -> None:
+        """Raise if editing is on: ``reason`` says why this configuration cannot honour it."""
+        if self.editing_threshold is not None:
+            raise OptionError(f"{source}: option 'editing_threshold' cannot apply {reason}")
+
+    def steps_for(self, block_size: int) -> int:
+        return self.denoising_steps or block_size
+
+
+def step_quota(block_size: int, steps: int, step: int) -> int:
+    """Positions to commit at denoising step ``step`` of a block (SDAR's schedule)."""
+    if step >= steps:
+        return block_size
+    return block_size // steps + (1 if step < block_size % steps else 0)
+
+
+def top_by_confidence(confidence: torch.Tensor, k: int) -> torch.Tensor:
+    """Indices of the ``k`` largest confidences; ties go to the lower position."""
+    order = torch.sort(confidence, descending=True, stable=True).indices
+    return order[:k]
+
+
+def choose_commits(confidence: torch.Tensor, masked: torch.Tensor, step: int,
+                   block_size: int, config: StrategyConfig) -> torch.Tensor:
+    """Which positions of one block to commit this step (the plain reference of
+    ``batched_choose_commits``).
+
+    confidence: [B] float, the probability of each position's proposed token.
+    masked:     [B] bool, positions still holding the mask token.
+    Returns a [B] bool tensor; only masked positions are ever chosen, at least one if any
+    position is masked.
+    """
+    num_masked = int(masked.sum())
+    commit = torch.zeros_like(masked)
+    if num_masked == 0:
+        return commit
+    steps = config.steps_for(block_size)
+    quota = min(step_quota(block_size, steps, step), num_masked)
+    conf = torch.where(masked, confidence, torch.full_like(confidence, float("-inf")))
+    strategy = config.strategy
+    if strategy == "sequential":
+        commit[torch.nonzero(masked).flatten()[:quota]] = True
+    elif strategy == "low_confidence_static":
+        commit[top_by_confidence(conf, quota)] = True
+    elif strategy == "low_confidence_dynamic":
+        above = masked & (confidence > config.threshold)
+        if int(above.sum()) >= quota:
+            commit = above
+        else:
+            commit[top_by_confidence(conf, quota)] = True
+    elif strategy == "threshold":
+        if step >= steps - 1:
+            return masked.clone()
+        commit = masked & (confidence >= config.threshold)
+        commit[top_by_confidence(conf, 1)] = True
+    else:  # parse_options restricts strategy to STRATEGIES
+        raise AssertionError(strategy)
+    return commit
+
+
+def batched_choose_commits(confidence: torch.Tensor, masked: torch.Tensor,
+                           steps_taken: torch.Tensor, steps_allowed: torch.Tensor,
+                           strategy: torch.Tensor, threshold: torch.Tensor) -> torch.Tensor:
+    """``choose_commits`` for R blocks at once (the engine's path; tested against it).
+
+    confidence, masked: [R, B]; steps_taken (the block's step), steps_allowed (its
+    ``steps_for``), strategy (index into ``STRATEGIES``): [R] int64; threshold: [R] float.
+    """
+    num_rows, block = masked.shape
+    num_masked = masked.sum(dim=1)
+    base, extra = block // steps_allowed, block % steps_allowed
+    quota = torch.where(steps_taken >= steps_allowed, torch.full_like(base, block),
+                        base + (steps_taken < extra).long())
+    quota = torch.minimum(quota, num_masked)[:, None]  # [R, 1]
+    conf = torch.where(masked, confidence, torch.full_like(confidence, float("-inf")))
+    order = torch.sort(conf, dim=1, descending=True, stable=True).indices
+    rank = torch.empty_like(order).scatter_(
+        1, order, torch.arange(block).expand(num_rows, block).contiguous())
+    top = (rank < quota) & masked
+    sequential = masked & (masked.cumsum(dim=1) <= quota)
+    above = masked & (confidence > threshold[:, None])
+    dynamic = torch.where((above.sum(dim=1, keepdim=True) >= quota), above, top)
+    last_step = (steps_taken >= steps_allowed - 1)[:, None]
+    by_threshold = torch.where(
+        last_step, masked, (masked & (confidence >= threshold[:, None])) | ((rank < 1) & masked))
+    choices = torch.stack([dynamic, top, sequential, by_threshold])  # STRATEGIES order
+    return choices[strategy, torch.arange(num_rows)]
+
+
+StrategyConfigT = TypeVar("StrategyConfigT", bound=StrategyConfig)
+StateT = TypeVar("StateT")
+
+
+class StrategyPolicy(DecodingPolicy[StrategyConfigT, StateT],
+                     Generic[StrategyConfigT, StateT]):
+    """Base of the policies that unmask by one of ``STRATEGIES`` (the commit choice only;
+    what to compute is each policy's own), with LLaDA2.1 token editing where a request
+    asks for it (``editing_threshold``)."""
+
+    def edits_tokens(self, request: DiffusionRequest[StrategyConfigT, StateT]) -> bool:
+        return request.policy_config.editing_threshold is not None
+
+    def choose_edits(self, batch: EditBatch) -> torch.Tensor | None:
+        limits = [r.policy_config.editing_threshold for r in batch.requests]
+        if all(limit is None for limit in limits):
+            return None
+        limit = torch.tensor([float("inf") if x is None else x for x in limits])
+        return (batch.filled & (batch.proposals != batch.tokens)
+                & (batch.confidence > limit[:, None]))
+
+    def block_ends(self, request: DiffusionRequest[StrategyConfigT, StateT],
+                   edited: bool) -> bool:
+        return not edited or request.canvas.post_steps >= request.policy_config.max_post_steps
+
+    def choose_commits(self, batch: CommitBatch) -> torch.Tensor:
+        configs = [r.policy_config for r in batch.requests]
+        return batched_choose_commits(
+            batch.confidence, batch.masked,
+            torch.tensor([r.canvas.steps for r in batch.requests], dtype=torch.long),
+            torch.tensor([c.steps_for(self.block_size) for c in configs], dtype=torch.long),
+            torch.tensor([STRATEGIES.index(c.strategy) for c in configs], dtype=torch.long),
+            torch.tensor([c.threshold for c in configs], dtype=torch.float32))

@@ -1,0 +1,18 @@
+"""Where vllm-diffusion attaches to vLLM outside its own subclasses: one module per vLLM
+class it wraps, each wrapper naming its row of ``patches/README.md``. ``install()`` runs
+them all (idempotent; every process calls it through the plugin's ``register``). Each
+wrapper leaves models other than the plugin's untouched."""
+
+from __future__ import annotations
+
+
+def install() -> None:
+    from vllm_diffusion.seams import (async_llm, engine_args, input_processor, offline_llm,
+                                      output_processor, stat_loggers)
+
+    engine_args.install()
+    input_processor.install()
+    stat_loggers.install()
+    output_processor.install()
+    offline_llm.install()
+    async_llm.install()

@@ -1,0 +1,29 @@
+"""``OfflineInferenceMixin`` (``LLM``): a failed call's requests aborted (patches/README.md
+row 13). When ``LLM.generate`` (or any call that runs the in-process engine) raises, the
+requests it left unfinished are aborted, so their KV pages and diffusion state are freed
+and the next call starts clean instead of resuming half-stepped requests."""
+
+from __future__ import annotations
+
+from vllm_diffusion.seams._wrapping import first_wrap, serves_diffusion_model
+
+
+def install() -> None:
+    from vllm.entrypoints.common.offline import OfflineInferenceMixin
+
+    if not first_wrap(OfflineInferenceMixin):
+        return
+    run_engine = OfflineInferenceMixin._run_engine
+
+    def run_engine_and_abort_on_failure(self, *args, **kwargs):
+        try:
+            return run_engine(self, *args, **kwargs)
+        except BaseException:
+            engine = self.llm_engine
+            if serves_diffusion_model(engine.vllm_config):
+                unfinished = list(engine.output_processor.request_states)
+                if unfinished:
+                    engine.abort_request(unfinished, internal=True)
+            raise
+
+    OfflineInferenceMixin._run_engine = run_engine_and_abort_on_failure

@@ -1,0 +1,77 @@
+"""vLLM's stat loggers: the diffusion metric names (patches/README.md row 7).
+
+vLLM names its diffusion counters only when ``model_config.is_diffusion``, which would
+switch on the Model Runner V2 diffusion path. For the plugin's models:
+
+- Prometheus: ``DiffusionPrometheusStatLogger``, registered through vLLM's stat-logger
+  plugin entry point (``vllm.stat_logger_plugins``), exports the counters under vLLM's
+  diffusion names (``vllm:diffusion_num_denoising_steps`` ...), which ``vllm bench serve``
+  reads, plus the plugin's own (positions after eviction, positions per layer, decoded by
+  ``metrics.plugin_counters``). For other models it is vLLM's Prometheus logger.
+- Logging: a plugin can add loggers but not replace vLLM's default logging one, so
+  ``LoggingStatLogger.__init__`` is wrapped to log the counters as diffusion steps.
+"""
+
+from __future__ import annotations
+
+from vllm.v1.metrics import loggers
+from vllm.v1.metrics.utils import create_metric_per_engine
+from vllm.v1.spec_decode.metrics import SpecDecodingLogging, SpecDecodingProm
+
+from vllm_diffusion.metrics import plugin_counters
+from vllm_diffusion.seams._wrapping import first_wrap, serves_diffusion_model
+
+# vLLM 0.32 labels every per-engine metric with these.
+_LABELS = ["model_name", "engine"]
+
+
+class DiffusionSpecDecodingProm(SpecDecodingProm):
+    """vLLM's diffusion counters plus the plugin's own."""
+
+    def __init__(self, per_engine_labelvalues) -> None:
+        super().__init__(None, _LABELS, per_engine_labelvalues, is_diffusion=True)
+        self.engine_labels = per_engine_labelvalues
+        self.later_layers = create_metric_per_engine(
+            self._counter_cls(
+                name="vllm:diffusion_num_positions_after_eviction",
+                documentation="Block positions computed by the layers after the "
+                              "policy's eviction point (layers 2+; equal to the canvas "
+                              "positions when nothing is evicted).",
+                labelnames=_LABELS),
+            per_engine_labelvalues)
+        self.per_layer = self._counter_cls(
+            name="vllm:diffusion_num_layer_positions",
+            documentation="Block positions whose queries each layer computed (label "
+                          "'layer'); lower in later layers when a policy drops rows.",
+            labelnames=[*_LABELS, "layer"])
+
+    def observe(self, spec_decoding_stats, engine_idx: int = 0) -> None:
+        super().observe(spec_decoding_stats, engine_idx)
+        counters = plugin_counters(spec_decoding_stats)
+        if counters is None:
+            return
+        self.later_layers[engine_idx].inc(counters.positions_after_eviction)
+        for layer, count in enumerate(counters.layer_positions):
+            self.per_layer.labels(*self.engine_labels[engine_idx], str(layer)).inc(count)
+
+
+class DiffusionPrometheusStatLogger(loggers.PrometheusStatLogger):
+    """vLLM's Prometheus logger; for the plugin's models with the diffusion counters."""
+
+    def __init__(self, vllm_config, engine_indexes=None) -> None:
+        super().__init__(vllm_config, engine_indexes)
+        if serves_diffusion_model(vllm_config):
+            self.spec_decoding_prom = DiffusionSpecDecodingProm(self.per_engine_labelvalues)
+
+
+def install() -> None:
+    if not first_wrap(loggers.LoggingStatLogger):
+        return
+    logging_init = loggers.LoggingStatLogger.__init__
+
+    def logging_stat_logger_init(self, vllm_config, *args, **kwargs):
+        logging_init(self, vllm_config, *args, **kwargs)
+        if serves_diffusion_model(vllm_config):
+            self.spec_decoding_logging = SpecDecodingLogging(is_diffusion=True)
+
+    loggers.LoggingStatLogger.__init__ = logging_stat_logger_init

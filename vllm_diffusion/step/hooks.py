@@ -1,0 +1,99 @@
+"""What a step's forward hooks see and answer.
+
+The model's layers call the hook points a policy declares (``LayerHooks``) with a
+``LayerInput``; a hook answers with the rows that continue (``RowSelection``) or, inside
+attention, with the keys each request's block rows see (``keys.KeySelection``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from vllm_diffusion.step.keys import KeySelection
+from vllm_diffusion.step.request import DiffusionRequest
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerHooks:
+    """The layers at which a step's hooks run (layer indices of the model)."""
+
+    before_attention: tuple[int, ...] = ()
+    after_output: tuple[int, ...] = ()
+    select_keys: tuple[int, ...] = ()
+
+
+@dataclasses.dataclass
+class StepRequest:
+    """One request of a step as the forward hooks see it."""
+
+    request: DiffusionRequest | None  # None: prefill-only rows (no block this step)
+    rows: range  # its query rows in the step
+    block_rows: torch.Tensor | None  # [n] query rows of its computed block positions
+    block_positions: torch.Tensor | None  # [n] block-relative positions of those rows
+
+    def masked_rows(self, mask_token_id: int) -> torch.Tensor:
+        """[m] step rows of its computed positions still masked (candidates), ascending."""
+        masked = self.request.canvas.masked(mask_token_id)
+        return self.block_rows[masked[self.block_positions]]
+
+
+@dataclasses.dataclass
+class ForwardStep:
+    requests: list[StepRequest]
+    num_rows: int
+    device: torch.device
+
+
+@dataclasses.dataclass
+class RowSelection:
+    """Rows that continue past a hook. ``keep``: [T] bool (host) over the rows that
+    entered the layer; ``kv_lens``: request index -> its new key length from this layer's
+    attention on (requests not named keep theirs)."""
+
+    keep: torch.Tensor
+    kv_lens: dict[int, int] | None = None
+
+
+@dataclasses.dataclass
+class LayerInput:
+    """What a hook reads. ``rows``: [T'] step rows (original indices) entering the layer;
+    ``query`` [T', H, D] and ``key`` [T', H_kv, D] after q/k-norm and RoPE (attention
+    hooks) or ``hidden`` [T', hidden], the layer's output in the residual stream (output
+    hooks); ``scale``: the attention scale."""
+
+    layer: int
+    rows: torch.Tensor
+    query: torch.Tensor | None = None
+    key: torch.Tensor | None = None
+    hidden: torch.Tensor | None = None
+    scale: float = 1.0
+
+    def current_rows(self, step_rows: torch.Tensor) -> torch.Tensor:
+        """Indices, among the rows entering this layer, of the step rows ``step_rows``
+        (all of which must still be present)."""
+        if not len(self.rows) or len(self.rows) == int(self.rows[-1]) + 1:
+            return step_rows  # no row dropped yet (rows ascend)
+        index = torch.full((int(self.rows[-1]) + 1,), -1, dtype=torch.long)
+        index[self.rows] = torch.arange(len(self.rows))
+        current = index[step_rows]
+        if bool((current < 0).any()):
+            raise RuntimeError("a hook asked for rows an earlier hook dropped")
+        return current
+
+
+class StepHooks:
+    """A step's forward hooks; the defaults keep every row and every key."""
+
+    layers: LayerHooks = LayerHooks()
+
+    def before_attention(self, layer_input: LayerInput) -> RowSelection | None:
+        return None
+
+    def after_output(self, layer_input: LayerInput) -> RowSelection | None:
+        return None
+
+    def select_keys(self, layer_input: LayerInput) -> KeySelection | None:
+        """The layer's key selection; None: every request attends densely."""
+        return None

@@ -1,0 +1,78 @@
+"""Key selection: which committed-prefix keys a request's block rows attend to at a layer.
+
+A policy's ``select_keys`` hook returns a ``KeySelection`` per layer; the attention backend
+honours it (``attention/key_selection.py``): requests in ``sparse`` attend, with their block
+rows, to their kept prefix positions plus their block; requests in ``scoring`` attend
+densely and select their kept positions from this layer's block queries; every other row
+attends densely.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import torch
+
+
+@dataclasses.dataclass
+class KeyScoring:
+    """A request whose block queries select its kept prefix positions at this layer (its
+    attention is dense this step)."""
+
+    request: int  # index of the request in the step
+    keep: int  # positions kept, at most the prefix length
+    pool_kernel: int  # odd
+    per_kv_head: bool
+    record: Callable[[torch.Tensor], None]  # receives [H_sel, keep] int64, ascending
+
+
+@dataclasses.dataclass
+class RowSplit:
+    """A step's rows split between sparse attention (block rows of the sparse requests)
+    and dense attention (every other row), with each side's request offsets."""
+
+    sparse_index: torch.Tensor  # [T_s] rows attended sparsely
+    sparse_loc: list[int]  # len(sparse) + 1 row offsets
+    sparse_requests: torch.Tensor  # [len(sparse)] their request indices
+    dense_index: torch.Tensor | None  # [T_d] the other rows (None: none)
+    dense_loc: list[int]
+    dense_requests: list[int]
+    dense_request_index: torch.Tensor  # [len(dense_requests)]
+
+    @classmethod
+    def of(cls, query_start_loc: list[int], block_rows: list[int], sparse: list[int],
+           device: torch.device) -> RowSplit:
+        ends = query_start_loc[1:]
+        first_sparse = {r: ends[r] - block_rows[r] for r in sparse}
+        sparse_rows = [i for r in sparse for i in range(first_sparse[r], ends[r])]
+        sparse_loc = [0]
+        for r in sparse:
+            sparse_loc.append(sparse_loc[-1] + block_rows[r])
+        dense_rows, dense_loc, dense_requests = [], [0], []
+        for r, start in enumerate(query_start_loc[:-1]):
+            end = first_sparse.get(r, ends[r])
+            if end > start:
+                dense_requests.append(r)
+                dense_rows.extend(range(start, end))
+                dense_loc.append(dense_loc[-1] + end - start)
+        return cls(torch.tensor(sparse_rows, device=device), sparse_loc,
+                   torch.tensor(sparse, device=device),
+                   torch.tensor(dense_rows, device=device) if dense_rows else None,
+                   dense_loc, dense_requests, torch.tensor(dense_requests, device=device))
+
+
+@dataclasses.dataclass
+class KeySelection:
+    """One layer's key selection for a step: which committed-prefix keys the block rows of
+    some requests attend to (kept-index lists), and which requests select theirs at this
+    layer; lists are indexed like the step's requests."""
+
+    block_rows: list[int]  # rows at the end of each request's rows that belong to its block
+    prefix_lens: list[int]  # each request's block start
+    sparse: list[int]  # requests whose block rows attend to kept prefix positions only
+    kept_index: torch.Tensor | None  # [len(sparse), H_kv, K] int64 (model device), -1 pad
+    scoring: list[KeyScoring]
+    # the rows' split, the same at every layer of a step (made once when the step starts
+    # it; else at the first layer that needs it)
+    split: RowSplit | None = None

@@ -1,0 +1,81 @@
+"""The proposal pipeline: from the logits of a step's block rows to each row's proposed
+token and its confidence, then the policy's commit choice.
+
+The stages run in vLLM's sampler order, each a named slot (``STAGES``):
+
+1. ``allowed_token_ids``  -- ``SamplingParams.allowed_token_ids``
+2. ``bad_words``          -- ``bad_words``
+3. ``min_tokens``         -- ``min_tokens`` (stop tokens barred until reached)
+4. ``logit_bias``         -- ``logit_bias``
+5. ``penalties``          -- ``presence_penalty``, ``frequency_penalty``,
+                             ``repetition_penalty``
+6. ``grammar``            -- ``structured_outputs`` (a grammar's token mask)
+7. ``mask_token``         -- the mask token is never proposed
+8. ``temperature``, ``top_k_top_p``, ``draw`` -- ``sampling.draw_for_requests``: greedy
+   rows take the arg-max (confidence: its softmax probability), sampled rows are scaled,
+   filtered and drawn with the request's generator
+9. ``commit_choice``      -- the policy's ``choose_commits`` over the proposals (the runner)
+
+A logit stage edits ``ProposalBatch.logits`` in place for the rows it concerns. A slot
+without a stage (``LOGIT_STAGES[name] is None``) does not run, and the request admission
+(``requests.py``) refuses the sampling parameters it would honour (``SLOT_PARAMETERS``;
+a test keeps the two in step), so a parameter is never silently ignored. Filling a slot is
+one function here plus lifting its refusal.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import torch
+
+from vllm_diffusion.worker.sampling import draw_for_requests
+
+
+@dataclasses.dataclass
+class ProposalBatch:
+    """The block rows of a step's requests, on their way through the stages."""
+
+    logits: torch.Tensor  # [n, V] float32; request i owns the next counts[i] rows
+    counts: list[int]
+    params: list  # each request's SamplingParams
+    generators: list  # each request's torch.Generator (None: unseeded)
+
+
+LogitStage = Callable[[ProposalBatch], None]
+
+# The sampling parameters each slot honours, and which admission refuses while it is empty.
+SLOT_PARAMETERS: dict[str, tuple[str, ...]] = {
+    "allowed_token_ids": ("allowed_token_ids",),
+    "bad_words": ("bad_words",),
+    "min_tokens": ("min_tokens",),
+    "logit_bias": ("logit_bias",),
+    "penalties": ("presence_penalty", "frequency_penalty", "repetition_penalty"),
+    "grammar": ("structured_outputs",),
+}
+# The logit slots, in order; None: no stage yet.
+LOGIT_STAGES: dict[str, LogitStage | None] = {name: None for name in SLOT_PARAMETERS}
+STAGES = (*LOGIT_STAGES, "mask_token", "temperature", "top_k_top_p", "draw", "commit_choice")
+
+
+class ProposalPipeline:
+    def __init__(self, mask_token_id: int) -> None:
+        self.mask_token_id = mask_token_id
+        self.logit_stages = [stage for stage in LOGIT_STAGES.values() if stage is not None]
+
+    def propose(self, logits: torch.Tensor, counts: list[int], params: list,
+                generators: list) -> tuple[torch.Tensor, torch.Tensor]:
+        """logits: [n, V]. Returns proposed tokens [n] int64 and their confidences [n]."""
+        batch = ProposalBatch(logits.float(), counts, params, generators)
+        for stage in self.logit_stages:
+            stage(batch)
+        batch.logits[:, self.mask_token_id] = float("-inf")
+        return draw_for_requests(batch.logits, counts, params, generators)
+
+
+def propose_for_requests(logits: torch.Tensor, mask_token_id: int, counts: list[int],
+                         params: list, generators: list) -> tuple[torch.Tensor, torch.Tensor]:
+    """The pipeline's proposals for the rows of several requests at once (see
+    ``ProposalPipeline.propose``)."""
+    return ProposalPipeline(mask_token_id).propose(logits, counts, params, generators)
