@@ -3,16 +3,21 @@ next to the plugin's configurations, in one run.
 
 The autoregressive baseline is what every user already has: the embedded checkpoint with
 its config switched to ``Qwen3ForCausalLM`` (same weights), served by stock vLLM with its
-defaults (compiled; ``--ar-eager`` for eager). The plugin runs eagerly, as its tests do,
-unless ``--plugin-compiled`` (then with vLLM's default compilation; FOCUS still runs eagerly,
-as it drops rows inside the forward). Configurations alternate within each round; each round opens one
-engine per configuration and runs every batch size on it. For batch size b, b greedy
-chat requests (the evaluation families interleaved) are submitted at once, repeated until
-at least ``--min-requests`` have run; tokens/s is total output tokens over wall time, the
-median over rounds. Reported next to it: the ratio to autoregressive, exact-match accuracy
-on all prompts of the run, and rows computed per committed token (prompt prefill and
-block commits included; for autoregressive decoding, prompt plus output tokens per output
-token). JSON and a PNG plot.
+defaults. Both sides are compiled by default (``--ar-eager`` / ``--plugin-eager`` for
+eager; FOCUS still runs eagerly, as it drops rows inside the forward), each engine in this
+one process, one at a time.
+
+Equal work (the default; ``--natural-lengths`` to let both stop at EOS): the
+autoregressive side generates, per request, exactly as many tokens as the plugin
+configuration it is compared with did (``ignore_eos`` with that request's length), since
+its outputs from these weights are noise of another length. Each plugin configuration
+thus has its own autoregressive row ("autoregressive as <config>"), run in the same round
+on the same prompts. For batch size b, b greedy chat requests (the evaluation families
+interleaved) are submitted at once, repeated until at least ``--min-requests`` have run;
+tokens/s is total output tokens over wall time, the median over rounds. Reported next to
+it: the ratio to autoregressive, exact-match accuracy on all prompts of the run, and rows
+computed per committed token (prompt prefill and block commits included; for
+autoregressive decoding, prompt plus output tokens per output token). JSON and a PNG plot.
 
 ``--shape large`` runs the fixed configurations on a compute-bound shape instead: a
 random-weight SDAR of 12 layers, hidden 768 (12 query / 4 KV heads of 64), written to
@@ -77,63 +82,51 @@ def large_workload(vocab_size: int, count: int) -> list:
 
 
 def open_engine(name: str, model: pathlib.Path, ar_model: pathlib.Path, ar_eager: bool,
-                max_num_seqs: int, plugin_eager: bool = True):
-    from vllm import LLM
-
-    from vllm_diffusion_lab.offline import diffusion_llm
+                max_num_seqs: int, plugin_eager: bool):
+    from vllm_diffusion_lab.offline import autoregressive_llm, diffusion_llm
 
     if CONFIGS[name] is None:
-        llm = LLM(model=str(ar_model), dtype="float32", seed=0, max_model_len=1024,
-                  max_num_seqs=max_num_seqs, enforce_eager=ar_eager)
-        return _closing(llm)
+        return autoregressive_llm(ar_model, max_num_seqs=max_num_seqs, enforce_eager=ar_eager)
     block, engine, _ = CONFIGS[name]
     return diffusion_llm(model, diffusion_block_size=block, max_model_len=1024,
                          max_num_seqs=max_num_seqs, additional_config=engine,
                          enforce_eager=plugin_eager)
 
 
-class _closing:
-    def __init__(self, llm) -> None:
-        self.llm = llm
-
-    def __enter__(self):
-        return self.llm
-
-    def __exit__(self, *exc) -> None:
-        import gc
-
-        from vllm.distributed import cleanup_dist_env_and_memory
-
-        self.llm.llm_engine.engine_core.shutdown()
-        del self.llm
-        gc.collect()
-        cleanup_dist_env_and_memory()
+AR_AS = "autoregressive as "  # the autoregressive row of a plugin configuration
 
 
 def run_batch(llm, name: str, prompts: list[str], examples, batch: int, min_requests: int,
-              max_tokens: int) -> dict:
+              max_tokens: int, lengths: list[int] | None = None) -> dict:
+    """``lengths``: the autoregressive side's exact output length per request (equal work),
+    in submission order; the result's ``lengths`` are this run's, for the next side."""
     from vllm import SamplingParams
 
     from vllm_diffusion_lab.offline import stats_delta
     from vllm_diffusion_lab.quality.corpus import score
 
-    options = CONFIGS[name][2] if CONFIGS[name] is not None else {}
-    scored = examples is not None
+    diffusion = CONFIGS[name] is not None
+    options = CONFIGS[name][2] if diffusion else {}
+    scored = examples is not None and lengths is None
     params = SamplingParams(temperature=0, max_tokens=max_tokens, extra_args=options or None,
                             ignore_eos=not scored)
-    diffusion = CONFIGS[name] is not None
     before = llm.collective_rpc("diffusion_stats")[0] if diffusion else None
     tokens = prompt_tokens = correct = done = 0
+    produced: list[int] = []
     start = time.perf_counter()
     offset = 0
     while done < max(min_requests, batch):
         chunk = [prompts[(offset + i) % len(prompts)] for i in range(batch)]
         chunk_examples = [examples[(offset + i) % len(prompts)] if scored else None
                           for i in range(batch)]
+        chunk_params = params if lengths is None else [
+            SamplingParams(temperature=0, max_tokens=max(lengths[done + i], 1), ignore_eos=True)
+            for i in range(batch)]
         offset += batch
-        outputs = llm.generate(chunk, params, use_tqdm=False)
+        outputs = llm.generate(chunk, chunk_params, use_tqdm=False)
         for example, out in zip(chunk_examples, outputs):
-            tokens += len(out.outputs[0].token_ids)
+            produced.append(len(out.outputs[0].token_ids))
+            tokens += produced[-1]
             prompt_tokens += len(out.prompt_token_ids)
             if scored:
                 correct += score(example.family, example.answer, out.outputs[0].text)
@@ -145,8 +138,36 @@ def run_batch(llm, name: str, prompts: list[str], examples, batch: int, min_requ
     else:
         rows = (prompt_tokens + tokens) / max(tokens, 1)
     return {"tokens_per_s": tokens / wall, "requests": done, "output_tokens": tokens,
-            "accuracy": correct / done if scored else None,
+            "accuracy": correct / done if scored else None, "lengths": produced,
             "rows_per_committed_token": rows, "seconds": wall}
+
+
+def run_round(args, cells, model, ar_model, examples, workload, progress) -> None:
+    """One round: every configuration once (equal work: the plugin configurations first,
+    then the autoregressive engine once per plugin configuration, on its lengths)."""
+    from vllm_diffusion_lab.quality.harness import chat_prompts
+
+    plugin = [n for n in args.configs if CONFIGS[n] is not None]
+    order = plugin + (["autoregressive"] if "autoregressive" in args.configs else [])
+    recorded: dict[str, dict[int, list[int]]] = {}
+    for name in order:
+        with open_engine(name, model, ar_model, args.ar_eager, max(args.batch_sizes),
+                         args.plugin_eager) as llm:
+            prompts = (workload if workload is not None
+                       else chat_prompts(llm.get_tokenizer(), examples))
+            run_batch(llm, name, prompts, examples, 1, 1, 8)  # warm-up
+            targets = ([None] if CONFIGS[name] is not None or args.natural_lengths
+                       else plugin)
+            for target in targets:
+                row = name if target is None else AR_AS + target
+                for batch in args.batch_sizes:
+                    progress.set_description(f"{row}, batch {batch}")
+                    lengths = None if target is None else recorded[target][batch]
+                    result = run_batch(llm, name, prompts, examples, batch,
+                                       args.min_requests, args.max_tokens, lengths)
+                    recorded.setdefault(name, {})[batch] = result.pop("lengths")
+                    cells.setdefault(row, {}).setdefault(batch, []).append(result)
+                    progress.update()
 
 
 def main() -> None:
@@ -157,8 +178,10 @@ def main() -> None:
     parser.add_argument("--min-requests", type=int, default=16)
     parser.add_argument("--max-tokens", type=int, default=96)
     parser.add_argument("--ar-eager", action="store_true")
-    parser.add_argument("--plugin-compiled", action="store_true",
-                        help="the plugin's engines with vLLM's default compilation")
+    parser.add_argument("--plugin-eager", action="store_true",
+                        help="the plugin's engines eager (default: vLLM's compilation)")
+    parser.add_argument("--natural-lengths", action="store_true",
+                        help="both sides stop at EOS or max_tokens (default: equal work)")
     parser.add_argument("--shape", choices=("embedded", "large"), default="embedded",
                         help="the embedded model, or the compute-bound random-weight shape")
     parser.add_argument("--latency-profile", default=None,
@@ -181,11 +204,8 @@ def main() -> None:
     from vllm_diffusion.default_model import default_model_path
     from vllm_diffusion_lab.bench import autoregressive_copy
     from vllm_diffusion_lab.quality.corpus import mixed_eval_examples
-    from vllm_diffusion_lab.quality.harness import chat_prompts
-
     count = max(args.batch_sizes + [args.min_requests])
-    cells: dict[str, dict[int, list[dict]]] = {n: {b: [] for b in args.batch_sizes}
-                                               for n in args.configs}
+    cells: dict[str, dict[int, list[dict]]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         if args.shape == "large":
             from vllm_diffusion_lab.fixtures.tiny_sdar import build_tiny_sdar
@@ -197,20 +217,12 @@ def main() -> None:
             model = default_model_path()
             examples, workload = mixed_eval_examples(count), None
         ar_model = autoregressive_copy(pathlib.Path(model), pathlib.Path(tmp))
-        progress = tqdm(total=args.rounds * len(args.configs) * len(args.batch_sizes))
+        plugin = sum(CONFIGS[n] is not None for n in args.configs)
+        ar_rows = 0 if "autoregressive" not in args.configs else (
+            1 if args.natural_lengths else plugin)
+        progress = tqdm(total=args.rounds * (plugin + ar_rows) * len(args.batch_sizes))
         for _ in range(args.rounds):
-            for name in args.configs:
-                with open_engine(name, model, ar_model, args.ar_eager,
-                                 max(args.batch_sizes), not args.plugin_compiled) as llm:
-                    prompts = (workload if workload is not None
-                               else chat_prompts(llm.get_tokenizer(), examples))
-                    run_batch(llm, name, prompts, examples, 1, 1, 8)  # warm-up
-                    for batch in args.batch_sizes:
-                        progress.set_description(f"{name}, batch {batch}")
-                        cells[name][batch].append(run_batch(
-                            llm, name, prompts, examples, batch, args.min_requests,
-                            args.max_tokens))
-                        progress.update()
+            run_round(args, cells, model, ar_model, examples, workload, progress)
         progress.close()
     report = summarise(cells, args)
     args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -221,22 +233,31 @@ def main() -> None:
 
 def summarise(cells, args) -> dict:
     rows = []
-    ar = {b: statistics.median(r["tokens_per_s"] for r in cells["autoregressive"][b])
-          for b in args.batch_sizes} if "autoregressive" in cells else {}
+
+    def median_tps(name: str, batch: int) -> float | None:
+        runs = cells.get(name, {}).get(batch)
+        return statistics.median(r["tokens_per_s"] for r in runs) if runs else None
+
     for name, by_batch in cells.items():
         for batch, runs in by_batch.items():
-            tps = statistics.median(r["tokens_per_s"] for r in runs)
+            tps = median_tps(name, batch)
+            if CONFIGS.get(name, ()) is None or name.startswith(AR_AS):
+                ar = None
+            else:
+                ar = median_tps("autoregressive" if args.natural_lengths else AR_AS + name,
+                                batch)
             rows.append({"config": name, "batch_size": batch, "tokens_per_s": tps,
                          "tokens_per_s_each_round": [r["tokens_per_s"] for r in runs],
-                         "ratio_to_autoregressive": tps / ar[batch] if ar else None,
+                         "ratio_to_autoregressive": tps / ar if ar else None,
+                         "output_tokens": statistics.mean(r["output_tokens"] for r in runs),
                          "accuracy": (None if runs[0]["accuracy"] is None
                                       else statistics.mean(r["accuracy"] for r in runs)),
-
                          "rows_per_committed_token": statistics.mean(
                              r["rows_per_committed_token"] for r in runs)})
     return {"machine": f"{os.cpu_count()} CPU cores", "shape": args.shape,
-            "ar_compiled": not args.ar_eager, "plugin_compiled": args.plugin_compiled,
-            "max_tokens": args.max_tokens, "rounds": args.rounds, "rows": rows}
+            "equal_work": not args.natural_lengths, "ar_compiled": not args.ar_eager,
+            "plugin_compiled": not args.plugin_eager, "max_tokens": args.max_tokens,
+            "rounds": args.rounds, "rows": rows}
 
 
 def print_table(report: dict) -> None:
@@ -263,8 +284,8 @@ def plot(report: dict, path: pathlib.Path) -> None:
         points = [(r["batch_size"], r["tokens_per_s"]) for r in report["rows"]
                   if r["config"] == name]
         ax.plot(*zip(*points), marker="o", label=name, color=colours[index % len(colours)],
-                linestyle="--" if name == "autoregressive" else "-",
-                linewidth=2.5 if name in ("autoregressive", "elastic B=32") else 1.2)
+                linestyle="--" if name.startswith("autoregressive") else "-",
+                linewidth=2.5 if name.startswith("autoregressive") else 1.2)
     ax.set_xscale("log", base=2)
     ax.set_xlabel("batch size (concurrent requests)")
     ax.set_ylabel("output tokens/s")

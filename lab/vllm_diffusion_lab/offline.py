@@ -1,4 +1,5 @@
-"""An in-process ``vllm.LLM`` for a block-diffusion checkpoint, torn down on exit.
+"""An in-process ``vllm.LLM`` for a block-diffusion checkpoint (``diffusion_llm``) or for
+stock autoregressive decoding (``autoregressive_llm``), torn down on exit.
 
 Used by the quality harness, the benchmarks and the tests; several can be opened one
 after the other in one process.
@@ -19,7 +20,6 @@ def diffusion_llm(model: str | pathlib.Path, *, diffusion_block_size: int | None
                   max_model_len: int = 512, max_num_seqs: int = 8, **kwargs: Any) -> Iterator[Any]:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     from vllm import LLM
-    from vllm.distributed import cleanup_dist_env_and_memory
 
     additional_config = dict(kwargs.pop("additional_config", {}))
     if diffusion_block_size is not None:
@@ -31,10 +31,33 @@ def diffusion_llm(model: str | pathlib.Path, *, diffusion_block_size: int | None
     try:
         yield llm
     finally:
-        llm.llm_engine.engine_core.shutdown()
-        del llm
-        gc.collect()
-        cleanup_dist_env_and_memory()
+        shut_down(llm)
+
+
+@contextlib.contextmanager
+def autoregressive_llm(model: str | pathlib.Path, *, max_model_len: int = 1024,
+                       max_num_seqs: int = 8, **kwargs: Any) -> Iterator[Any]:
+    """Stock vLLM at its defaults (compiled unless ``enforce_eager``) for ``model``."""
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    from vllm import LLM
+
+    kwargs.setdefault("dtype", "float32")
+    llm = LLM(model=str(model), seed=0, max_model_len=max_model_len,
+              max_num_seqs=max_num_seqs, **kwargs)
+    try:
+        yield llm
+    finally:
+        shut_down(llm)
+
+
+def shut_down(llm: Any) -> None:
+    """Stop an in-process engine and free what it held, so that another can start."""
+    from vllm.distributed import cleanup_dist_env_and_memory
+
+    llm.llm_engine.engine_core.shutdown()
+    del llm
+    gc.collect()
+    cleanup_dist_env_and_memory()
 
 
 def counter_delta(before: int | list[int], after: int | list[int]) -> int | list[int]:

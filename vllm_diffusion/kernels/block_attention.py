@@ -91,8 +91,9 @@ def padded_block_causal_attention(query: torch.Tensor, kv_cache: torch.Tensor,
     """``block_causal_attention`` vectorised over requests (the CPU fast path).
 
     Requests with short query runs are padded to the longest of them and attended in one
-    scaled-dot-product call ([R, H, max_queries, max_keys]); each request with a long run
-    (over ``LONG_QUERY_RUN`` rows) is attended in its own call.
+    scaled-dot-product call, the query heads of each KV head stacked so that keys and
+    values are gathered once per KV head ([R, H_kv, group * max_queries, max_keys]); each
+    request with a long run (over ``LONG_QUERY_RUN`` rows) is attended in its own call.
     """
     counts = [b - a for a, b in zip(query_start_loc[:-1], query_start_loc[1:])]
     long_runs = [r for r, n in enumerate(counts) if n > LONG_QUERY_RUN]
@@ -132,22 +133,30 @@ def _padded_attention(query: torch.Tensor, kv_cache: torch.Tensor,
     pages = block_table[:, :(max_keys + page_size - 1) // page_size].to(device)
     key_pages = pages[:, key_positions // page_size]  # [R, max_keys]
     kv = kv_cache[key_pages, :, (key_positions % page_size)[None, :]]  # [R, max_keys, H_kv, 2D]
+    kv = kv.permute(0, 2, 1, 3).to(query.dtype)  # [R, H_kv, max_keys, 2D]
+    keys, values = kv[..., :head_size], kv[..., head_size:]
     group = num_heads // num_kv_heads
-    keys = kv[..., :head_size].to(query.dtype).repeat_interleave(group, dim=2)
-    values = kv[..., head_size:].to(query.dtype).repeat_interleave(group, dim=2)
-    # Scatter the ragged query rows into [R, max_queries].
+    # Scatter the ragged query rows into [R, max_queries]; the query heads sharing a KV
+    # head side by side, so keys and values are not repeated per query head:
+    # [R, H_kv, group * max_queries, D].
     request_of_row = torch.repeat_interleave(torch.arange(num_requests, device=device), counts)
     starts = torch.tensor(query_start_loc[:-1], device=device)
     slot_of_row = torch.arange(num_rows, device=device) - starts[request_of_row]
     padded_query = query.new_zeros(num_requests, max_queries, num_heads, head_size)
     padded_query[request_of_row, slot_of_row] = query
+    grouped_query = padded_query.view(num_requests, max_queries, num_kv_heads, group,
+                                      head_size).permute(0, 2, 3, 1, 4).reshape(
+        num_requests, num_kv_heads, group * max_queries, head_size)
     row_block = torch.full((num_requests, max_queries), -1, dtype=torch.long, device=device)
     row_block[request_of_row, slot_of_row] = query_positions.to(device) // diffusion_block_size
     lens = torch.tensor(kv_lens, device=device)
     visible = ((key_positions[None, None, :] // diffusion_block_size <= row_block[:, :, None])
                & (key_positions[None, None, :] < lens[:, None, None]))  # [R, Q, K]
     visible |= (row_block < 0)[:, :, None]  # padding rows: attend to anything (discarded)
+    mask = visible[:, None, None].expand(-1, -1, group, -1, -1).reshape(
+        num_requests, 1, group * max_queries, max_keys)
     out = torch.nn.functional.scaled_dot_product_attention(
-        padded_query.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
-        attn_mask=visible[:, None], scale=scale)  # [R, H, Q, D]
-    return out.transpose(1, 2)[request_of_row, slot_of_row]
+        grouped_query, keys, values, attn_mask=mask, scale=scale)  # [R, H_kv, G * Q, D]
+    out = out.view(num_requests, num_kv_heads, group, max_queries, head_size).permute(
+        0, 3, 1, 2, 4).reshape(num_requests, max_queries, num_heads, head_size)
+    return out[request_of_row, slot_of_row]

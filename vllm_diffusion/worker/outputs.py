@@ -43,3 +43,18 @@ def require_diffusion_output(output: object) -> DiffusionRunnerOutput:
             f"the block-diffusion scheduler needs a DiffusionRunnerOutput from the model "
             f"runner, got {type(output).__name__}: is the vllm_diffusion runner in use?")
     return output
+
+
+@dataclasses.dataclass
+class DiffusionStats:
+    """Counters since start-up (hardware-independent measures of the work done)."""
+
+    engine_steps: int = 0
+    denoising_steps: int = 0  # block-steps: one per request per step with a block
+    positions_computed: int = 0  # model rows, prefill and commit rows included
+    block_positions_computed: int = 0  # block rows entering the model
+    block_positions_after_eviction: int = 0  # block rows reaching the last layer
+    # per layer: block rows whose queries that layer computed
+    block_positions_per_layer: list[int] = dataclasses.field(default_factory=list)
+    tokens_committed: int = 0  # final tokens emitted
+    blocks_completed: int = 0

@@ -28,7 +28,7 @@ from vllm_diffusion.step.plans import CommitBatch, EditBatch
 from vllm_diffusion.step.request import DiffusionRequest
 from vllm_diffusion.step.rows import StepRows
 from vllm_diffusion.worker.geometry import BlockGeometry
-from vllm_diffusion.worker.outputs import DiffusionRunnerOutput, empty_output
+from vllm_diffusion.worker.outputs import DiffusionRunnerOutput, DiffusionStats, empty_output
 from vllm_diffusion.worker.proposal import ProposalPipeline
 from vllm_diffusion.worker.step_plan import (
     KnownTokens,
@@ -37,36 +37,11 @@ from vllm_diffusion.worker.step_plan import (
     emit_final_tokens,
     forward_step,
     plan_request,
+    step_inputs,
+    truncate_at_stop,
 )
 
 logger = init_logger(__name__)
-
-
-@dataclasses.dataclass
-class DiffusionStats:
-    """Counters since start-up (hardware-independent measures of the work done)."""
-
-    engine_steps: int = 0
-    denoising_steps: int = 0  # block-steps: one per request per step with a block
-    positions_computed: int = 0  # model rows, prefill and commit rows included
-    block_positions_computed: int = 0  # block rows entering the model
-    block_positions_after_eviction: int = 0  # block rows reaching the last layer
-    # per layer: block rows whose queries that layer computed
-    block_positions_per_layer: list[int] = dataclasses.field(default_factory=list)
-    tokens_committed: int = 0  # final tokens emitted
-    blocks_completed: int = 0
-
-
-def truncate_at_stop(tokens: list[int], params: Any, num_output: int) -> list[int]:
-    """Cut newly final tokens after a stop token or at max_tokens (as vLLM's stop check)."""
-    stops = set(params.stop_token_ids or ())
-    if params.eos_token_id is not None:
-        stops.add(params.eos_token_id)
-    tokens = tokens[:max(params.max_tokens - num_output, 0)]
-    for i, token in enumerate(tokens):
-        if token in stops:
-            return tokens[:i + 1]
-    return tokens
 
 
 @dataclasses.dataclass
@@ -193,25 +168,15 @@ class DiffusionRunnerMixin:
         """Hidden states of the rows that reached the last layer, those rows, and the
         block rows each layer computed."""
         device = self.device
-        page_size = self.cache_config.block_size
-        positions = torch.tensor([p for r in rows for p in r.positions], dtype=torch.long)
-        # int32 as vLLM's own runners pass them: a compiled forward is traced once, with
-        # guards dropped, for the dtype its warm-up saw (int64 ids would be misread).
-        token_ids = torch.tensor([t for r in rows for t in r.token_ids], dtype=torch.int32)
-        page_tables = [torch.tensor(self.requests[r.req_id].block_ids[0], dtype=torch.long)
-                       for r in rows]
-        table = torch.nn.utils.rnn.pad_sequence(page_tables, batch_first=True)
-        row_request = torch.repeat_interleave(
-            torch.arange(len(rows)), torch.tensor([len(r.positions) for r in rows]))
-        slots = table[row_request, positions // page_size] * page_size + positions % page_size
-        query_start_loc = [0]
-        for r in rows:
-            query_start_loc.append(query_start_loc[-1] + len(r.positions))
-        positions = positions.to(device)
-        step_rows = StepRows(query_positions=positions, slot_mapping=slots.to(device),
-                             query_start_loc=query_start_loc, kv_lens=[r.kv_len for r in rows])
-        metadata = BlockDiffusionMetadata(rows=step_rows, block_table=table.to(device),
+        inputs = step_inputs(rows, [self.requests[r.req_id].block_ids[0] for r in rows],
+                             self.cache_config.block_size)
+        positions = inputs.positions.to(device)
+        step_rows = StepRows(query_positions=positions, slot_mapping=inputs.slots.to(device),
+                             query_start_loc=inputs.query_start_loc, kv_lens=inputs.kv_lens)
+        metadata = BlockDiffusionMetadata(rows=step_rows,
+                                          block_table=inputs.block_table.to(device),
                                           diffusion_block_size=self.diffusion.block_size)
+        token_ids = inputs.token_ids
         layer_names = [name for group in self.kv_cache_config.kv_cache_groups
                        for name in group.layer_names]
         # Steps without hooks run the model as vLLM built it (compiled unless eager);

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import Any
 
 import torch
 
@@ -144,3 +145,46 @@ def decode_steps(canvas: BlockCanvas, num_tokens: int, count: int) -> list[int]:
     """The steps that unmasked the ``count`` block tokens following the known tokens."""
     offset = num_tokens - canvas.start
     return canvas.decoded_at[offset:offset + count].tolist()
+
+
+@dataclasses.dataclass
+class StepInputs:
+    """The model inputs of a step's rows (host tensors, moved to the device by the runner)."""
+
+    token_ids: torch.Tensor  # [T] int32, as vLLM's runners pass them
+    positions: torch.Tensor  # [T] int64
+    slots: torch.Tensor  # [T] int64 KV slot of each row
+    block_table: torch.Tensor  # [R, max_pages] int64 page ids per request
+    query_start_loc: list[int]  # R + 1 row offsets
+    kv_lens: list[int]  # R key counts
+
+
+def step_inputs(rows: list[RequestRows], page_ids: list[list[int]],
+                page_size: int) -> StepInputs:
+    """The inputs of the planned ``rows``; ``page_ids[r]``: request r's KV pages."""
+    positions = torch.tensor([p for r in rows for p in r.positions], dtype=torch.long)
+    # int32 as vLLM's own runners pass them: a compiled forward is traced once, with
+    # guards dropped, for the dtype its warm-up saw (int64 ids would be misread).
+    token_ids = torch.tensor([t for r in rows for t in r.token_ids], dtype=torch.int32)
+    table = torch.nn.utils.rnn.pad_sequence(
+        [torch.tensor(pages, dtype=torch.long) for pages in page_ids], batch_first=True)
+    counts = [len(r.positions) for r in rows]
+    row_request = torch.repeat_interleave(torch.arange(len(rows)), torch.tensor(counts))
+    slots = table[row_request, positions // page_size] * page_size + positions % page_size
+    query_start_loc = [0]
+    for count in counts:
+        query_start_loc.append(query_start_loc[-1] + count)
+    return StepInputs(token_ids, positions, slots, table, query_start_loc,
+                      [r.kv_len for r in rows])
+
+
+def truncate_at_stop(tokens: list[int], params: Any, num_output: int) -> list[int]:
+    """Cut newly final tokens after a stop token or at max_tokens (as vLLM's stop check)."""
+    stops = set(params.stop_token_ids or ())
+    if params.eos_token_id is not None:
+        stops.add(params.eos_token_id)
+    tokens = tokens[:max(params.max_tokens - num_output, 0)]
+    for i, token in enumerate(tokens):
+        if token in stops:
+            return tokens[:i + 1]
+    return tokens
