@@ -87,6 +87,23 @@ def test_padded_torch_attention_matches_reference(case):
                                rtol=tolerance, atol=tolerance)
 
 
+@pytest.mark.parametrize("case", GRID.values(), ids=GRID.keys())
+def test_one_plan_serves_every_layer_of_a_step(case):
+    """The step-fixed part planned once, attended with two layers' queries and caches."""
+    from vllm_diffusion.kernels.block_attention import attend_padded, plan_padded_attention
+
+    first = make_case(*case, device="cpu")
+    second = make_case(*case, device="cpu")
+    query, kv_cache, positions, loc, kv_lens, table, block, scale = first
+    plan = plan_padded_attention(positions, loc, kv_lens, table, block, kv_cache.shape[2],
+                                 query.shape[1] // kv_cache.shape[1])
+    tolerance = 2e-2 if case[7] == torch.bfloat16 else 1e-5
+    for layer_query, layer_cache in ((query, kv_cache), (second[0] * 0.5, kv_cache * 2)):
+        want = block_causal_attention(layer_query, layer_cache, *first[2:])
+        torch.testing.assert_close(attend_padded(layer_query, layer_cache, plan, scale).float(),
+                                   want.float(), rtol=tolerance, atol=tolerance)
+
+
 @pytest.mark.parametrize("name", GRID)
 def test_triton_kernel_matches_torch_reference(errors, name):
     tolerance = 2e-2 if GRID[name][7] == torch.bfloat16 else 1e-4

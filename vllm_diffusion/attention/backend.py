@@ -28,7 +28,8 @@ from vllm.v1.attention.backend import (
 )
 
 from vllm_diffusion.attention.key_selection import attend_with_key_selection
-from vllm_diffusion.kernels.block_attention import write_kv
+from vllm_diffusion.kernels.block_attention import (attend_padded, plan_padded_attention,
+                                                    write_kv)
 from vllm_diffusion.kernels.dispatch import kernel
 from vllm_diffusion.step.rows import StepRows
 
@@ -117,8 +118,18 @@ class BlockDiffusionAttentionImpl(AttentionImpl[BlockDiffusionMetadata]):
         dense = kernel("block_attention", query.device)
         block_table, block_size = attn_metadata.block_table, attn_metadata.diffusion_block_size
         if rows.key_selection is None:
-            output[:n] = dense(query[:n], kv_cache, rows.query_positions, rows.query_start_loc,
-                               rows.kv_lens, block_table, block_size, self.scale)
+            if query.device.type == "cuda":
+                output[:n] = dense(query[:n], kv_cache, rows.query_positions,
+                                   rows.query_start_loc, rows.kv_lens, block_table,
+                                   block_size, self.scale)
+                return output
+            # The torch path, split: its step-fixed part is planned at the first layer and
+            # kept for the step's other layers (while no row is dropped).
+            if rows.attention_plan is None:
+                rows.attention_plan = plan_padded_attention(
+                    rows.query_positions, rows.query_start_loc, rows.kv_lens, block_table,
+                    block_size, kv_cache.shape[2], self.num_heads // self.num_kv_heads)
+            output[:n] = attend_padded(query[:n], kv_cache, rows.attention_plan, self.scale)
             return output
         tp_size = get_tensor_model_parallel_world_size()
         output[:n] = attend_with_key_selection(

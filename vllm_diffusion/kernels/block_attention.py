@@ -14,6 +14,8 @@ A Triton kernel for CUDA must keep these signatures; tests compare it with these
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 
@@ -84,6 +86,30 @@ def block_causal_attention(query: torch.Tensor, kv_cache: torch.Tensor,
 LONG_QUERY_RUN = 64
 
 
+@dataclasses.dataclass
+class PaddedRun:
+    """The rows of one padded attention call and what it needs besides a layer's tensors."""
+
+    rows: torch.Tensor | None  # [n] the step rows it attends (None: all, in order)
+    key_pages: torch.Tensor  # [R, K] page of each key position
+    key_offsets: torch.Tensor  # [1, K] its offset in the page
+    # [n] request and slot of each row in [R, Q]; None: every request has Q rows
+    request_of_row: torch.Tensor | None
+    slot_of_row: torch.Tensor | None
+    mask: torch.Tensor  # [R, 1, G * Q, K] bool, the query heads of a KV head stacked
+    shape: tuple[int, int, int, int]  # R, Q, K, G
+
+
+@dataclasses.dataclass
+class PaddedPlan:
+    """The per-step part of ``padded_block_causal_attention``: fixed for a step's rows,
+    whatever the layer (``plan_padded_attention``), applied per layer by
+    ``attend_padded``."""
+
+    runs: list[PaddedRun]
+    num_rows: int
+
+
 def padded_block_causal_attention(query: torch.Tensor, kv_cache: torch.Tensor,
                                   query_positions: torch.Tensor, query_start_loc: list[int],
                                   kv_lens: list[int], block_table: torch.Tensor,
@@ -94,69 +120,106 @@ def padded_block_causal_attention(query: torch.Tensor, kv_cache: torch.Tensor,
     scaled-dot-product call, the query heads of each KV head stacked so that keys and
     values are gathered once per KV head ([R, H_kv, group * max_queries, max_keys]); each
     request with a long run (over ``LONG_QUERY_RUN`` rows) is attended in its own call.
+    The step-fixed part is ``plan_padded_attention``, which a caller may keep for every
+    layer of a step.
     """
+    plan = plan_padded_attention(query_positions, query_start_loc, kv_lens, block_table,
+                                 diffusion_block_size, kv_cache.shape[2],
+                                 query.shape[1] // kv_cache.shape[1])
+    return attend_padded(query, kv_cache, plan, scale)
+
+
+def plan_padded_attention(query_positions: torch.Tensor, query_start_loc: list[int],
+                          kv_lens: list[int], block_table: torch.Tensor,
+                          diffusion_block_size: int, page_size: int,
+                          group: int) -> PaddedPlan:
+    """The padded calls of a step's rows (``group``: query heads per KV head)."""
     counts = [b - a for a, b in zip(query_start_loc[:-1], query_start_loc[1:])]
+    num_rows = query_start_loc[-1]
     long_runs = [r for r, n in enumerate(counts) if n > LONG_QUERY_RUN]
     if not long_runs or len(long_runs) == len(counts) == 1:
-        return _padded_attention(query, kv_cache, query_positions, query_start_loc, kv_lens,
-                                 block_table, diffusion_block_size, scale)
+        return PaddedPlan([_plan_run(None, query_positions, counts, kv_lens, block_table,
+                                     diffusion_block_size, page_size, group)], num_rows)
     short_runs = [r for r, n in enumerate(counts) if n <= LONG_QUERY_RUN]
-    output = torch.empty_like(query)
-    for group in [[r] for r in long_runs] + ([short_runs] if short_runs else []):
+    runs = []
+    for requests in [[r] for r in long_runs] + ([short_runs] if short_runs else []):
         rows = torch.cat([torch.arange(query_start_loc[r], query_start_loc[r + 1])
-                          for r in group]).to(query.device)
-        loc = [0]
-        for r in group:
-            loc.append(loc[-1] + counts[r])
-        output[rows] = _padded_attention(
-            query[rows], kv_cache, query_positions[rows], loc, [kv_lens[r] for r in group],
-            block_table[torch.tensor(group, device=block_table.device)],
-            diffusion_block_size, scale)
-    return output
+                          for r in requests]).to(query_positions.device)
+        runs.append(_plan_run(
+            rows, query_positions[rows], [counts[r] for r in requests],
+            [kv_lens[r] for r in requests],
+            block_table[torch.tensor(requests, device=block_table.device)],
+            diffusion_block_size, page_size, group))
+    return PaddedPlan(runs, num_rows)
 
 
-def _padded_attention(query: torch.Tensor, kv_cache: torch.Tensor,
-                      query_positions: torch.Tensor, query_start_loc: list[int],
-                      kv_lens: list[int], block_table: torch.Tensor,
-                      diffusion_block_size: int, scale: float) -> torch.Tensor:
+def _plan_run(rows: torch.Tensor | None, query_positions: torch.Tensor, counts: list[int],
+              kv_lens: list[int], block_table: torch.Tensor, diffusion_block_size: int,
+              page_size: int, group: int) -> PaddedRun:
+    device = query_positions.device
     num_requests = len(kv_lens)
-    num_rows, num_heads, head_size = query.shape
-    if num_rows == 0:
-        return torch.empty_like(query)
-    device = query.device
-    page_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[1]
-    counts = torch.tensor([b - a for a, b in zip(query_start_loc[:-1], query_start_loc[1:])],
-                          device=device)
-    max_queries, max_keys = int(counts.max()), max(kv_lens)
+    max_queries, max_keys = max(counts), max(kv_lens)
     # Key positions of every request: [R, max_keys] -> pages and offsets in the cache.
     key_positions = torch.arange(max_keys, device=device)
     pages = block_table[:, :(max_keys + page_size - 1) // page_size].to(device)
     key_pages = pages[:, key_positions // page_size]  # [R, max_keys]
-    kv = kv_cache[key_pages, :, (key_positions % page_size)[None, :]]  # [R, max_keys, H_kv, 2D]
-    kv = kv.permute(0, 2, 1, 3).to(query.dtype)  # [R, H_kv, max_keys, 2D]
-    keys, values = kv[..., :head_size], kv[..., head_size:]
-    group = num_heads // num_kv_heads
-    # Scatter the ragged query rows into [R, max_queries]; the query heads sharing a KV
-    # head side by side, so keys and values are not repeated per query head:
-    # [R, H_kv, group * max_queries, D].
-    request_of_row = torch.repeat_interleave(torch.arange(num_requests, device=device), counts)
-    starts = torch.tensor(query_start_loc[:-1], device=device)
-    slot_of_row = torch.arange(num_rows, device=device) - starts[request_of_row]
-    padded_query = query.new_zeros(num_requests, max_queries, num_heads, head_size)
-    padded_query[request_of_row, slot_of_row] = query
-    grouped_query = padded_query.view(num_requests, max_queries, num_kv_heads, group,
-                                      head_size).permute(0, 2, 3, 1, 4).reshape(
-        num_requests, num_kv_heads, group * max_queries, head_size)
-    row_block = torch.full((num_requests, max_queries), -1, dtype=torch.long, device=device)
-    row_block[request_of_row, slot_of_row] = query_positions.to(device) // diffusion_block_size
+    if all(n == max_queries for n in counts):  # no padding: rows are [R, Q] already
+        request_of_row = slot_of_row = None
+        row_block = (query_positions.to(device) // diffusion_block_size).view(
+            num_requests, max_queries)
+    else:
+        request_of_row = torch.repeat_interleave(
+            torch.arange(num_requests, device=device), torch.tensor(counts, device=device))
+        starts = torch.tensor([0, *counts], device=device).cumsum(0)[:-1]
+        slot_of_row = torch.arange(len(request_of_row), device=device) - starts[request_of_row]
+        row_block = torch.full((num_requests, max_queries), -1, dtype=torch.long,
+                               device=device)
+        row_block[request_of_row, slot_of_row] = (query_positions.to(device)
+                                                  // diffusion_block_size)
     lens = torch.tensor(kv_lens, device=device)
     visible = ((key_positions[None, None, :] // diffusion_block_size <= row_block[:, :, None])
                & (key_positions[None, None, :] < lens[:, None, None]))  # [R, Q, K]
     visible |= (row_block < 0)[:, :, None]  # padding rows: attend to anything (discarded)
     mask = visible[:, None, None].expand(-1, -1, group, -1, -1).reshape(
         num_requests, 1, group * max_queries, max_keys)
+    return PaddedRun(rows, key_pages, (key_positions % page_size)[None, :], request_of_row,
+                     slot_of_row, mask, (num_requests, max_queries, max_keys, group))
+
+
+def attend_padded(query: torch.Tensor, kv_cache: torch.Tensor, plan: PaddedPlan,
+                  scale: float) -> torch.Tensor:
+    """One layer's attention of the planned rows. query: [T, H, D]; returns [T, H, D]."""
+    if plan.num_rows == 0:
+        return torch.empty_like(query)
+    if len(plan.runs) == 1 and plan.runs[0].rows is None:
+        return _attend_run(query, kv_cache, plan.runs[0], scale)
+    output = torch.empty_like(query)
+    for run in plan.runs:
+        output[run.rows] = _attend_run(query[run.rows], kv_cache, run, scale)
+    return output
+
+
+def _attend_run(query: torch.Tensor, kv_cache: torch.Tensor, run: PaddedRun,
+                scale: float) -> torch.Tensor:
+    num_requests, max_queries, max_keys, group = run.shape
+    num_rows, num_heads, head_size = query.shape
+    num_kv_heads = num_heads // group
+    kv = kv_cache[run.key_pages, :, run.key_offsets]  # [R, max_keys, H_kv, 2D]
+    kv = kv.permute(0, 2, 1, 3).to(query.dtype)  # [R, H_kv, max_keys, 2D]
+    keys, values = kv[..., :head_size], kv[..., head_size:]
+    if run.request_of_row is None:
+        padded_query = query.view(num_requests, max_queries, num_heads, head_size)
+    else:
+        padded_query = query.new_zeros(num_requests, max_queries, num_heads, head_size)
+        padded_query[run.request_of_row, run.slot_of_row] = query
+    # The query heads sharing a KV head side by side: [R, H_kv, group * max_queries, D].
+    grouped_query = padded_query.view(num_requests, max_queries, num_kv_heads, group,
+                                      head_size).permute(0, 2, 3, 1, 4).reshape(
+        num_requests, num_kv_heads, group * max_queries, head_size)
     out = torch.nn.functional.scaled_dot_product_attention(
-        grouped_query, keys, values, attn_mask=mask, scale=scale)  # [R, H_kv, G * Q, D]
+        grouped_query, keys, values, attn_mask=run.mask, scale=scale)  # [R, H_kv, G * Q, D]
     out = out.view(num_requests, num_kv_heads, group, max_queries, head_size).permute(
         0, 3, 1, 2, 4).reshape(num_requests, max_queries, num_heads, head_size)
-    return out[request_of_row, slot_of_row]
+    if run.request_of_row is None:
+        return out.reshape(num_rows, num_heads, head_size)
+    return out[run.request_of_row, run.slot_of_row]

@@ -4,7 +4,8 @@ The runner makes one per step with every planned row; the attention of each laye
 it (through ``BlockDiffusionMetadata.rows``). When a hook drops rows, the step's run object
 (``models/step_run.py``) narrows it: ``keep_queries`` before the layer's attention (that
 layer still stores every row's keys/values), ``keep_keys`` after it. Inside attention,
-``key_selection`` is the current layer's key selection, if any.
+``key_selection`` is the current layer's key selection, if any; ``attention_plan`` is the
+step-fixed part of the CPU attention (made at the first layer, kept until rows drop).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import dataclasses
 
 import torch
 
+from vllm_diffusion.kernels.block_attention import PaddedPlan
 from vllm_diffusion.step.keys import KeySelection
 
 
@@ -23,6 +25,7 @@ class StepRows:
     query_start_loc: list[int]  # R + 1 row offsets per request (host)
     kv_lens: list[int]  # R: keys [0, kv_len) are visible to request r (host)
     key_selection: KeySelection | None = None  # the current layer's (None: dense)
+    attention_plan: PaddedPlan | None = None  # the CPU attention's, for these rows
 
     @property
     def num_queries(self) -> int:
@@ -32,6 +35,7 @@ class StepRows:
         """Keep the query rows where ``keep`` ([T] bool, host) is set, and give the named
         requests new key lengths; key rows are unchanged until ``keep_keys``."""
         keep_rows = torch.nonzero(keep).flatten().to(self.query_positions.device)
+        self.attention_plan = None
         self.query_positions = self.query_positions[keep_rows]
         counts = [int(keep[a:b].sum()) for a, b in
                   zip(self.query_start_loc[:-1], self.query_start_loc[1:])]
