@@ -165,7 +165,9 @@ def run_round(args, cells, model, ar_model, examples, workload, progress) -> Non
                     lengths = None if target is None else recorded[target][batch]
                     result = run_batch(llm, name, prompts, examples, batch,
                                        args.min_requests, args.max_tokens, lengths)
-                    recorded.setdefault(name, {})[batch] = result.pop("lengths")
+                    lengths = result.pop("lengths")
+                    if target is None and CONFIGS[name] is not None:
+                        recorded.setdefault(name, {})[batch] = lengths
                     cells.setdefault(row, {}).setdefault(batch, []).append(result)
                     progress.update()
 

@@ -37,8 +37,6 @@ from vllm_diffusion.policies.unmasking import StrategyPolicy
 from vllm_diffusion.step.plans import BlockStepPlan
 from vllm_diffusion.step.request import DiffusionRequest
 
-ElasticRequest = DiffusionRequest["ElasticConfig", ChunkWindow]
-
 
 @dataclasses.dataclass(frozen=True)
 class ElasticConfig(ChunkConfig):
@@ -55,6 +53,8 @@ class ElasticConfig(ChunkConfig):
         self.refuse_editing_with(source, "with the elastic policy (its chunks leave positions "
                                          "without a new proposal)")
 
+
+ElasticRequest = DiffusionRequest[ElasticConfig, ChunkWindow]
 
 MIN_OBSERVATIONS = 8
 
