@@ -23,3 +23,12 @@ def kernel_errors(test_file: str, max_errors: Callable[[str], dict[str, float]])
                             timeout=600, env={**os.environ, "TRITON_INTERPRET": "1"})
     assert result.returncode == 0, result.stderr[-3000:]
     return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def torch_side(args: tuple, cache_index: int = 1) -> tuple:
+    """``args`` of a paged-attention op, built with an interleaved cache as the Triton
+    kernels read it, for the torch code on the same device (on CPU: the split copy)."""
+    from vllm_diffusion.kernels.kv_pages import interleaved_as_read_here
+
+    return (*args[:cache_index], interleaved_as_read_here(args[cache_index]),
+            *args[cache_index + 1:])

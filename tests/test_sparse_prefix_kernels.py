@@ -16,10 +16,11 @@ import math
 
 import pytest
 import torch
-from kernel_harness import kernel_errors
-from test_block_attention_kernels import make_case
+from kernel_harness import kernel_errors, torch_side
+from paged_cases import make_case
 
 from vllm_diffusion.kernels.block_attention import block_causal_attention, gather_kv
+from vllm_diffusion.kernels.kv_pages import key_value_views
 from vllm_diffusion.kernels.sparse_prefix import (gathered_sparse_prefix_attention,
                                                     select_prefix, sparse_prefix_attention)
 
@@ -69,7 +70,7 @@ def max_errors(device: str) -> dict[str, float]:
     for name, case in GRID.items():
         args = sparse_case(*case, device=device)
         got = kernel_module().sparse_prefix_attention(*args)
-        want = sparse_prefix_attention(*args)
+        want = sparse_prefix_attention(*torch_side(args))
         errors[name] = (got.float() - want.float()).abs().max().item()
     return errors
 
@@ -80,7 +81,7 @@ def tolerance(case) -> float:
 
 @pytest.mark.parametrize("case", GRID.values(), ids=GRID.keys())
 def test_gathered_torch_path_matches_reference(case):
-    args = sparse_case(*case, device="cpu")
+    args = torch_side(sparse_case(*case, device="cpu"))
     torch.testing.assert_close(gathered_sparse_prefix_attention(*args).float(),
                                sparse_prefix_attention(*args).float(),
                                rtol=tolerance(case), atol=tolerance(case))
@@ -91,7 +92,7 @@ def test_gathered_torch_path_matches_reference(case):
 def test_unkept_prefix_keys_contribute_nothing(case):
     """Poisoning every prefix key that is not kept leaves the output unchanged; keeping the
     whole prefix gives the dense block-causal attention."""
-    args = sparse_case(*case, device="cpu")
+    args = torch_side(sparse_case(*case, device="cpu"))
     query, kv_cache, positions, starts, kv_lens, table, block, scale, kept, prefix_lens = args
     want = sparse_prefix_attention(*args)
     page = kv_cache.shape[2]
@@ -100,7 +101,8 @@ def test_unkept_prefix_keys_contribute_nothing(case):
         for h in range(kv_cache.shape[1]):
             dropped = set(range(n)) - set(kept[r, h][kept[r, h] >= 0].tolist())
             for k in dropped:
-                poisoned[table[r, k // page], h, k % page] = 1e3
+                for view in key_value_views(poisoned):
+                    view[table[r, k // page], h, k % page] = 1e3
     again = (query, poisoned, positions, starts, kv_lens, table, block, scale, kept, prefix_lens)
     torch.testing.assert_close(sparse_prefix_attention(*again), want)
     torch.testing.assert_close(gathered_sparse_prefix_attention(*again), want,

@@ -57,6 +57,9 @@ PARAMETERS = {
     "vllm.model_executor.models.utils:extract_layer_index": ('layer_name', 'num_attn_module'),
     "vllm.config:get_current_vllm_config": (),
     "vllm.model_executor.layers.attention:Attention.__init__": ('self', 'num_heads', 'head_size', 'scale', 'num_kv_heads', 'alibi_slopes', 'use_alibi_sqrt', 'cache_config', 'quant_config', 'logits_soft_cap', 'per_layer_sliding_window', 'prefix', 'attn_type', 'kv_sharing_target_layer_name', 'mm_prefix_clamp_sliding_window', 'attn_backend', 'head_size_v', 'extra_impl_args'),
+    "vllm._custom_ops:cpu_attention_with_kv_cache": ('query', 'key_cache', 'value_cache', 'output', 'query_start_loc', 'seq_lens', 'scale', 'causal', 'alibi_slopes', 'sliding_window', 'block_table', 'softcap', 'scheduler_metadata', 's_aux', 'dynamic_causal', 'k_scale', 'v_scale', 'kv_cache_dtype'),
+    "vllm._custom_ops:cpu_attn_get_scheduler_metadata": ('num_reqs', 'num_heads', 'num_kv_heads', 'head_dim', 'seq_lens', 'dtype', 'query_start_loc', 'causal', 'sliding_window_size', 'isa', 'enable_kv_split', 'dynamic_causal', 'kv_cache_dtype'),
+    "vllm.v1.attention.backends.cpu_attn:CPUAttentionBackend.get_supported_head_sizes": (),
 }
 # Output types whose fields the project reads, fills or extends.
 FIELDS = {

@@ -103,6 +103,17 @@ def dense_attention(op, args):
     return (q, k, v, mask, scale), shapes
 
 
+def torch_side(op, args):
+    """The arguments for the torch code: the paged-attention ops' cache, built interleaved
+    as the Triton kernels read it, in the arrangement torch reads on its device
+    (``kernels.kv_pages``: on CPU, under Triton's interpreter, the split copy)."""
+    from vllm_diffusion.kernels.kv_pages import interleaved_as_read_here
+
+    if op not in ("block_attention", "sparse_prefix_attention"):
+        return args
+    return (args[0], interleaved_as_read_here(args[1]), *args[2:])
+
+
 def upcast(value):
     """Floating tensors (also inside lists) as fp32; everything else unchanged."""
     if isinstance(value, torch.Tensor) and value.is_floating_point():
@@ -208,7 +219,8 @@ def verify_point(op, name, point, dtype_name, device, interpreter, dtype_problem
                        detail="serving-sized shape: only with native Triton on CUDA")
                 for impl in checked]
     gen = torch.Generator().manual_seed(zlib.crc32(f"{op}/{name}".encode()))
-    args = BUILDERS[op](point, gen, dtype, device)
+    triton_args = BUILDERS[op](point, gen, dtype, device)
+    args = torch_side(op, triton_args)
     reference_args = args if dtype == torch.float32 else upcast(args)
     reference = resolve(KERNELS[op].reference)
     try:
@@ -223,7 +235,8 @@ def verify_point(op, name, point, dtype_name, device, interpreter, dtype_problem
             continue
         try:
             function = resolve(getattr(KERNELS[op], implementation))
-            got = function(*args)
+            call_args = triton_args if implementation == "triton" else args
+            got = function(*call_args)
             if device == "cuda":
                 torch.cuda.synchronize()
         except Exception:  # noqa: BLE001
@@ -235,7 +248,7 @@ def verify_point(op, name, point, dtype_name, device, interpreter, dtype_problem
         detail = problem or (None if passed else f"{outside} elements outside tolerance")
         if passed and getattr(KERNELS[op], implementation) == KERNELS[op].reference:
             detail = "the torch path is the reference function itself"
-        timing, timing_problem = (timed(time_ms, lambda: function(*args))
+        timing, timing_problem = (timed(time_ms, lambda: function(*call_args))
                                   if time_ms and passed else (None, None))
         records.append(record(*base, implementation, "pass" if passed else "fail",
                               error=error, outside=outside, tolerance=tolerance,

@@ -3,8 +3,9 @@
 The diffusion runner builds ``BlockDiffusionMetadata`` itself for every step (one object
 shared by all layers); the backend stores the keys/values of every key row at the given
 slots and runs block-causal attention for the query rows over each request's paged KV
-(``kernels.dispatch``: the Triton kernel on CUDA, the vectorised torch version elsewhere;
-both have the signature of the torch reference and are tested against it). The rows it
+(the Triton kernel on CUDA through ``kernels.dispatch``; vLLM's own CPU attention kernel
+on CPU, ``cpu_attention``; both have the signature of the torch reference and are tested
+against it). The rows it
 reads are the step's current ones (``step.rows.StepRows``): a hook may have dropped query
 rows at this layer (the layer still stores every row's keys/values), and may have
 restricted the prefix keys that requests' block rows see (``key_selection``).
@@ -19,19 +20,29 @@ import torch
 
 from vllm.distributed import (get_tensor_model_parallel_world_size,
                               tensor_model_parallel_all_reduce)
+from vllm.logger import init_logger
+from vllm.platforms import current_platform
 from vllm.v1.attention.backend import (
     AttentionBackend,
     AttentionImpl,
     AttentionMetadataBuilder,
     AttentionType,
     CommonAttentionMetadata,
+    MultipleOf,
 )
+from vllm.v1.kv_cache_layout import KVCacheLayout
 
+from vllm_diffusion.attention.cpu_attention import (attend_segments, cpu_kernel_supports,
+                                                   plan_segments,
+                                                   segmented_block_causal_attention)
 from vllm_diffusion.attention.key_selection import attend_with_key_selection
-from vllm_diffusion.kernels.block_attention import (attend_padded, plan_padded_attention,
-                                                    write_kv)
+from vllm_diffusion.kernels.block_attention import (PaddedPlan, attend_padded,
+                                                    padded_block_causal_attention,
+                                                    plan_padded_attention, write_kv)
 from vllm_diffusion.kernels.dispatch import kernel
 from vllm_diffusion.step.rows import StepRows
+
+logger = init_logger(__name__)
 
 
 @dataclass(frozen=True)
@@ -64,6 +75,17 @@ class BlockDiffusionAttentionBackend(AttentionBackend):
     @classmethod
     def supports_non_causal(cls) -> bool:
         return True
+
+    @staticmethod
+    def get_supported_kernel_block_sizes(kv_cache_spec=None) -> list[int | MultipleOf]:
+        # vLLM's portable CPU attention kernels take pages of a multiple of 16 positions.
+        return [MultipleOf(16)] if current_platform.is_cpu() else [MultipleOf(1)]
+
+    @classmethod
+    def supported_kv_cache_layouts(cls) -> tuple[KVCacheLayout, ...] | None:
+        # On CPU, vLLM's CPU attention kernel reads head-major pages (as vLLM's own CPU
+        # backend asks); the Triton kernels take any strides.
+        return (KVCacheLayout.LBHNC,) if current_platform.is_cpu() else None
 
     @classmethod
     def supports_attn_type(cls, attn_type: str) -> bool:
@@ -105,6 +127,23 @@ class BlockDiffusionAttentionImpl(AttentionImpl[BlockDiffusionMetadata]):
         self.head_size = head_size
         self.scale = scale
         self.num_kv_heads = num_kv_heads or num_heads
+        # CPU: vLLM's CPU attention kernel where it has one for the head size, else the
+        # padded torch path; planned once per step (``StepRows.attention_plan``) and
+        # attended per layer, or in one call (``cpu_dense``) for the dense rows of a step
+        # with a key selection.
+        self.cpu_attention = (plan_segments, attend_segments)
+        self.cpu_dense = segmented_block_causal_attention
+        if current_platform.is_cpu() and not cpu_kernel_supports(head_size):
+            logger.info("vllm-diffusion: vLLM's CPU attention has no kernel for head size "
+                        "%d; the padded torch attention runs instead", head_size)
+            self.cpu_attention = (self._plan_padded, attend_padded)
+            self.cpu_dense = padded_block_causal_attention
+
+    def _plan_padded(self, query_positions, query_start_loc, kv_lens, block_table,
+                     block_size, num_heads, kv_cache) -> PaddedPlan:
+        return plan_padded_attention(query_positions, query_start_loc, kv_lens, block_table,
+                                     block_size, kv_cache.shape[2],
+                                     num_heads // self.num_kv_heads)
 
     def forward(self, layer: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
                 value: torch.Tensor, kv_cache: torch.Tensor,
@@ -115,22 +154,22 @@ class BlockDiffusionAttentionImpl(AttentionImpl[BlockDiffusionMetadata]):
         rows = attn_metadata.rows
         n, n_kv = rows.num_queries, len(rows.slot_mapping)
         write_kv(kv_cache, key[:n_kv], value[:n_kv], rows.slot_mapping)
-        dense = kernel("block_attention", query.device)
+        on_cuda = query.device.type == "cuda"
         block_table, block_size = attn_metadata.block_table, attn_metadata.diffusion_block_size
         if rows.key_selection is None:
-            if query.device.type == "cuda":
-                output[:n] = dense(query[:n], kv_cache, rows.query_positions,
-                                   rows.query_start_loc, rows.kv_lens, block_table,
-                                   block_size, self.scale)
+            if on_cuda:
+                output[:n] = kernel("block_attention", query.device)(
+                    query[:n], kv_cache, rows.query_positions, rows.query_start_loc,
+                    rows.kv_lens, block_table, block_size, self.scale)
                 return output
-            # The torch path, split: its step-fixed part is planned at the first layer and
-            # kept for the step's other layers (while no row is dropped).
-            if rows.attention_plan is None:
-                rows.attention_plan = plan_padded_attention(
-                    rows.query_positions, rows.query_start_loc, rows.kv_lens, block_table,
-                    block_size, kv_cache.shape[2], self.num_heads // self.num_kv_heads)
-            output[:n] = attend_padded(query[:n], kv_cache, rows.attention_plan, self.scale)
+            plan, attend = self.cpu_attention
+            if rows.attention_plan is None:  # at the step's first layer, or after a drop
+                rows.attention_plan = plan(rows.query_positions, rows.query_start_loc,
+                                           rows.kv_lens, block_table, block_size,
+                                           self.num_heads, kv_cache)
+            output[:n] = attend(query[:n], kv_cache, rows.attention_plan, self.scale)
             return output
+        dense = kernel("block_attention", query.device) if on_cuda else self.cpu_dense
         tp_size = get_tensor_model_parallel_world_size()
         output[:n] = attend_with_key_selection(
             query[:n], kv_cache, rows, block_table, block_size, rows.key_selection, self.scale,

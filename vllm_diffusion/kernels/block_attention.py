@@ -1,7 +1,8 @@
 """Block-causal attention over a paged KV cache: plain PyTorch reference implementation.
 
-Layout of one layer's cache (vLLM's logical per-layer view):
-    kv_cache: [num_pages, num_kv_heads, page_size, 2 * head_size]   keys in [..., :D], values in [..., D:]
+One layer's cache: kv_cache [num_pages, num_kv_heads, page_size, 2 * head_size], its keys
+and values arranged as ``kv_pages`` says for its device (read through
+``kv_pages.key_value_views``).
 
 Rule (SDAR, aligned to absolute position 0): a query at position q attends to the key at
 position k iff ``k < kv_len`` of its request and ``k // B <= q // B`` (bidirectional inside
@@ -18,6 +19,8 @@ import dataclasses
 
 import torch
 
+from vllm_diffusion.kernels.kv_pages import key_value_views
+
 
 def write_kv(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
@@ -26,26 +29,25 @@ def write_kv(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     key, value:   [T, num_kv_heads, head_size]
     slot_mapping: [T] int64; a negative slot means "do not store this row".
     """
-    head_size = key.shape[-1]
     page_size = kv_cache.shape[2]
     keep = slot_mapping >= 0
     slots = slot_mapping[keep]
     pages, offsets = slots // page_size, slots % page_size
-    # Advanced indices around a slice put the indexed dim first: [n, num_kv_heads, C].
-    kv_cache[pages, :, offsets, :head_size] = key[keep].to(kv_cache.dtype)
-    kv_cache[pages, :, offsets, head_size:] = value[keep].to(kv_cache.dtype)
+    keys, values = key_value_views(kv_cache)
+    # Advanced indices around a slice put the indexed dim first: [n, num_kv_heads, D].
+    keys[pages, :, offsets] = key[keep].to(kv_cache.dtype)
+    values[pages, :, offsets] = value[keep].to(kv_cache.dtype)
 
 
 def gather_kv(kv_cache: torch.Tensor, page_ids: torch.Tensor,
               length: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Keys and values of positions [0, length) of one request: two [length, H_kv, D]."""
-    page_size = kv_cache.shape[2]
-    head_size = kv_cache.shape[3] // 2
+    page_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[1]
     num_pages = -(-length // page_size)
-    pages = kv_cache[page_ids[:num_pages]]  # [n_pages, H_kv, page, 2D]
-    flat = pages.permute(0, 2, 1, 3).reshape(num_pages * page_size, pages.shape[1], -1)
-    flat = flat[:length]
-    return flat[..., :head_size], flat[..., head_size:]
+    pages = page_ids[:num_pages]
+    return tuple(view[pages].permute(0, 2, 1, 3).reshape(  # [n_pages, H_kv, page, D] ->
+        num_pages * page_size, num_kv_heads, -1)[:length]  # [length, H_kv, D]
+        for view in key_value_views(kv_cache))
 
 
 def block_causal_attention(query: torch.Tensor, kv_cache: torch.Tensor,
@@ -204,9 +206,9 @@ def _attend_run(query: torch.Tensor, kv_cache: torch.Tensor, run: PaddedRun,
     num_requests, max_queries, max_keys, group = run.shape
     num_rows, num_heads, head_size = query.shape
     num_kv_heads = num_heads // group
-    kv = kv_cache[run.key_pages, :, run.key_offsets]  # [R, max_keys, H_kv, 2D]
-    kv = kv.permute(0, 2, 1, 3).to(query.dtype)  # [R, H_kv, max_keys, 2D]
-    keys, values = kv[..., :head_size], kv[..., head_size:]
+    # [R, max_keys, H_kv, D] -> [R, H_kv, max_keys, D]
+    keys, values = (view[run.key_pages, :, run.key_offsets].permute(0, 2, 1, 3).to(query.dtype)
+                    for view in key_value_views(kv_cache))
     if run.request_of_row is None:
         padded_query = query.view(num_requests, max_queries, num_heads, head_size)
     else:

@@ -4,9 +4,10 @@ CUDA tensors and its vectorised torch path elsewhere.
 ``KERNELS`` names, per op, the plain reference, the torch path and the Triton kernel as
 ``module:function`` paths (all with the reference's signature); the tests and
 ``tools/verify_kernels.py`` compare them. Triton modules are imported only when a CUDA
-tensor first asks for them. The attention backend runs ``block_attention``'s torch path
-in its two parts (``plan_padded_attention`` once per step, ``attend_padded`` per layer),
-which together are that path.
+tensor first asks for them. On CPU the attention backend runs vLLM's CPU attention kernel
+for ``block_attention`` (``attention/cpu_attention.py``, tested against the same
+reference); ``block_attention``'s torch path serves head sizes that kernel lacks, in its
+two parts (``plan_padded_attention`` once per step, ``attend_padded`` per layer).
 """
 
 from __future__ import annotations

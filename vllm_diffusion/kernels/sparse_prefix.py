@@ -25,6 +25,7 @@ from collections.abc import Callable
 import torch
 
 from vllm_diffusion.kernels.block_attention import gather_kv
+from vllm_diffusion.kernels.kv_pages import key_value_views
 
 
 def select_prefix(block_query: torch.Tensor, kv_cache: torch.Tensor, page_ids: torch.Tensor,
@@ -122,8 +123,8 @@ def gathered_sparse_prefix_attention(query: torch.Tensor, kv_cache: torch.Tensor
     table = block_table.to(device)
     pages = table.gather(1, (safe // page_size).flatten(1)).view_as(safe)
     heads = torch.arange(num_kv_heads, device=device)[None, :, None]
-    kv = kv_cache[pages, heads, safe % page_size]  # [R, H_kv, N, 2D]
-    keys, values = kv[..., :head_size].to(query.dtype), kv[..., head_size:].to(query.dtype)
+    keys, values = (view[pages, heads, safe % page_size].to(query.dtype)  # [R, H_kv, N, D]
+                    for view in key_value_views(kv_cache))
     # Ragged rows -> [R, max_queries]; query heads of a KV head side by side.
     request_of_row = torch.repeat_interleave(torch.arange(num_requests, device=device), counts)
     slot_of_row = (torch.arange(num_rows, device=device)

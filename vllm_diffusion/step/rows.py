@@ -11,10 +11,10 @@ step-fixed part of the CPU attention (made at the first layer, kept until rows d
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import torch
 
-from vllm_diffusion.kernels.block_attention import PaddedPlan
 from vllm_diffusion.step.keys import KeySelection
 
 
@@ -25,7 +25,7 @@ class StepRows:
     query_start_loc: list[int]  # R + 1 row offsets per request (host)
     kv_lens: list[int]  # R: keys [0, kv_len) are visible to request r (host)
     key_selection: KeySelection | None = None  # the current layer's (None: dense)
-    attention_plan: PaddedPlan | None = None  # the CPU attention's, for these rows
+    attention_plan: Any = None  # the CPU attention's per-step plan, for these rows
 
     @property
     def num_queries(self) -> int:

@@ -242,12 +242,15 @@ class DiffusionRunnerMixin:
         tokens, confidence = self.proposals.propose(
             logits, [b.num_computed for b in blocks], [s.sampling_params for s in states],
             [s.generator for s in states])
-        # Scatter the proposals into [R, B] (host), -inf / mask where not computed.
+        # The step's one device-to-host copy: tokens and confidences together ([2, n]
+        # float64 holds every token id exactly). Scattered into [R, B] on the host, -inf /
+        # mask where not computed.
+        host = torch.stack((tokens.double(), confidence.double())).cpu()
         block_of_row, position_of_row = where[:, 0], where[:, 1]
         proposals = torch.full((len(blocks), block_size), mask_id, dtype=torch.long)
-        proposals[block_of_row, position_of_row] = tokens.cpu()
+        proposals[block_of_row, position_of_row] = host[0].long()
         full_confidence = torch.full((len(blocks), block_size), float("-inf"))
-        full_confidence[block_of_row, position_of_row] = confidence.float().cpu()
+        full_confidence[block_of_row, position_of_row] = host[1].float()
         computed = torch.zeros(len(blocks), block_size, dtype=torch.bool)
         computed[block_of_row, position_of_row] = True
         masked = torch.stack([b.rows.canvas.masked(mask_id) for b in blocks])

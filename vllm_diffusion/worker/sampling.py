@@ -51,15 +51,19 @@ def propose_tokens(logits: torch.Tensor, mask_token_id: int, temperature: float,
 
 
 def batched_filter_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor,
-                               top_p: torch.Tensor) -> torch.Tensor:
-    """``filter_top_k_top_p`` with a top_k and top_p per row ([n] each)."""
+                               top_p: torch.Tensor, any_nucleus: bool | None = None
+                               ) -> torch.Tensor:
+    """``filter_top_k_top_p`` with a top_k and top_p per row ([n] each). ``any_nucleus``:
+    whether some row has top_p < 1, when the caller knows it on the host."""
     vocab = logits.shape[-1]
     sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
     k = torch.where((top_k > 0) & (top_k < vocab), top_k, torch.full_like(top_k, vocab))
     kth = sorted_logits.gather(1, (k - 1)[:, None])
     logits = logits.masked_fill(logits < kth, float("-inf"))
     nucleus = top_p < 1.0
-    if bool(nucleus.any()):
+    if any_nucleus is None:
+        any_nucleus = bool(nucleus.any())  # a device-to-host read; callers pass it
+    if any_nucleus:
         sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
         probs = sorted_logits.softmax(dim=-1)
         drop_sorted = (probs.cumsum(dim=-1) - probs) >= top_p[:, None]
@@ -94,7 +98,8 @@ def draw_for_requests(logits: torch.Tensor, counts: list[int], params: list,
     scaled = logits[rows_device] / torch.tensor(temperature, device=logits.device)[:, None]
     probs = batched_filter_top_k_top_p(
         scaled, torch.tensor(top_k, device=logits.device),
-        torch.tensor(top_p, dtype=torch.float32, device=logits.device)).softmax(dim=-1)
+        torch.tensor(top_p, dtype=torch.float32, device=logits.device),
+        any_nucleus=any(p < 1.0 for p in top_p)).softmax(dim=-1)
     offset = 0
     for i, span in zip(sampled, spans):
         part = probs[offset:offset + len(span)]

@@ -1,0 +1,105 @@
+"""Block-causal attention on CPU through vLLM's own CPU attention kernel.
+
+vLLM's ``cpu_attention_with_kv_cache`` attends ragged query runs over a paged cache, each
+run non-causally over its first ``seq_len`` keys. Block-causal attention is that, run by
+run: the rows of one request in one diffusion block form a segment whose keys are
+[0, min(kv_len, block end)) (a query at position q sees key k iff k < kv_len and
+k // B <= q // B). A step's segments, their key counts and vLLM's scheduler metadata are
+planned once (``plan_segments``) and kept for every layer while no row drops; each layer
+then makes one kernel call, with no padding and no per-request Python (``attend_segments``).
+
+The cache is in the split arrangement (``kernels.kv_pages``), which vLLM's portable
+kernels (``vec16``, or ``vec`` for pages of a multiple of 32 positions) read.
+``segmented_block_causal_attention`` has the signature of
+``kernels.block_attention.block_causal_attention`` and is tested against it on the
+kernel grid.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from vllm import _custom_ops as ops
+
+
+@dataclasses.dataclass
+class SegmentPlan:
+    """A step's query rows as segments of one request and one diffusion block."""
+
+    query_start_loc: torch.Tensor  # [S + 1] int32 row offsets of the segments
+    seq_lens: torch.Tensor  # [S] int32 keys each segment sees
+    block_table: torch.Tensor  # [S, max_pages] int32 its request's pages
+    scheduler_metadata: torch.Tensor  # vLLM's work split for these segments
+    num_rows: int
+
+
+def cpu_kernel_supports(head_size: int) -> bool:
+    """Whether vLLM's CPU attention has a kernel for this head size."""
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+    return head_size in CPUAttentionBackend.get_supported_head_sizes()
+
+
+def portable_isa(page_size: int) -> str:
+    """vLLM's portable CPU kernel for a page size (the one that reads the split pages)."""
+    return "vec" if page_size % 32 == 0 else "vec16"
+
+
+def plan_segments(query_positions: torch.Tensor, query_start_loc: list[int],
+                  kv_lens: list[int], block_table: torch.Tensor, diffusion_block_size: int,
+                  num_heads: int, kv_cache: torch.Tensor) -> SegmentPlan:
+    """The segments of a step's rows (positions [T], R + 1 row offsets, R key counts,
+    [R, max_pages] pages) for a cache [num_pages, H_kv, page_size, 2D]."""
+    counts = torch.tensor([b - a for a, b in zip(query_start_loc[:-1], query_start_loc[1:])])
+    num_rows = int(query_start_loc[-1])
+    request = torch.repeat_interleave(torch.arange(len(kv_lens)), counts)  # [T]
+    block = query_positions.cpu() // diffusion_block_size  # [T]
+    starts = torch.ones(num_rows, dtype=torch.bool)
+    starts[1:] = (request[1:] != request[:-1]) | (block[1:] != block[:-1])
+    first_rows = torch.nonzero(starts).flatten()  # [S]
+    segment_request = request[first_rows]
+    seq_lens = torch.minimum(torch.tensor(kv_lens)[segment_request],
+                             (block[first_rows] + 1) * diffusion_block_size)
+    loc = torch.cat([first_rows, torch.tensor([num_rows])]).to(torch.int32)
+    seq_lens = seq_lens.to(torch.int32)
+    _, num_kv_heads, page_size, two_d = kv_cache.shape
+    metadata = ops.cpu_attn_get_scheduler_metadata(
+        num_reqs=len(first_rows), num_heads=num_heads, num_kv_heads=num_kv_heads,
+        head_dim=two_d // 2, seq_lens=seq_lens, dtype=kv_cache.dtype, query_start_loc=loc,
+        causal=False, sliding_window_size=-1, isa=portable_isa(page_size),
+        enable_kv_split=False)
+    return SegmentPlan(loc, seq_lens, block_table.cpu()[segment_request].to(torch.int32),
+                       metadata, num_rows)
+
+
+def attend_segments(query: torch.Tensor, kv_cache: torch.Tensor, plan: SegmentPlan,
+                    scale: float) -> torch.Tensor:
+    """One layer's attention of the planned rows. query: [T, H, D]; returns [T, H, D]."""
+    output = torch.empty_like(query)
+    if plan.num_rows == 0:
+        return output
+    num_pages, num_kv_heads, page_size, two_d = kv_cache.shape
+    if not kv_cache.is_contiguous():
+        raise ValueError("vLLM's CPU attention needs a contiguous KV cache")
+    halves = kv_cache.view(num_pages, num_kv_heads, 2 * page_size, two_d // 2)
+    key_cache, value_cache = halves.chunk(2, dim=2)
+    ops.cpu_attention_with_kv_cache(
+        query=query.contiguous(), key_cache=key_cache, value_cache=value_cache,
+        output=output, query_start_loc=plan.query_start_loc, seq_lens=plan.seq_lens,
+        scale=scale, causal=False, alibi_slopes=None, sliding_window=-1,
+        block_table=plan.block_table, softcap=0.0,
+        scheduler_metadata=plan.scheduler_metadata, s_aux=None)
+    return output
+
+
+def segmented_block_causal_attention(query: torch.Tensor, kv_cache: torch.Tensor,
+                                     query_positions: torch.Tensor,
+                                     query_start_loc: list[int], kv_lens: list[int],
+                                     block_table: torch.Tensor, diffusion_block_size: int,
+                                     scale: float) -> torch.Tensor:
+    """``block_causal_attention`` through vLLM's CPU kernel (plan and attend at once)."""
+    plan = plan_segments(query_positions, query_start_loc, kv_lens, block_table,
+                         diffusion_block_size, query.shape[1], kv_cache)
+    return attend_segments(query, kv_cache, plan, scale)
