@@ -30,6 +30,17 @@ def mcnemar_exact(lost: int, gained: int) -> float:
     return min(1.0, 2 * tail)
 
 
+def paired_difference_interval(lost: int, gained: int, total: int,
+                               z: float = 1.96) -> tuple[float, float, float]:
+    """The accuracy difference (row minus baseline) over ``total`` paired problems and its
+    95% Wald interval for paired proportions: variance (b + c - (b - c)^2 / n) / n^2 with
+    b, c the discordant counts (adequate at the hundreds of problems compared here)."""
+    difference = (gained - lost) / total
+    variance = (gained + lost - (gained - lost) ** 2 / total) / total ** 2
+    half = z * math.sqrt(max(variance, 0.0))
+    return round(difference, 4), round(difference - half, 4), round(difference + half, 4)
+
+
 def compare(runs: list[dict], baseline: dict) -> list[dict]:
     rows = []
     for block_size in sorted({r["block_size"] for r in runs}):
@@ -43,7 +54,10 @@ def compare(runs: list[dict], baseline: dict) -> list[dict]:
                     gained += ours and not theirs
             solved = sum(map(sum, run["correct_by_problem"].values()))
             total = sum(map(len, run["correct_by_problem"].values()))
+            difference, low, high = paired_difference_interval(lost, gained, total)
             rows.append({"block_size": block_size, "options": run["options"], "solved": solved,
+                         "difference": difference, "difference_interval_95": [low, high],
+                         "tokens_per_s": round(run["output_tokens"] / run["wall_time_s"], 1),
                          "problems": total, "instruction_accuracy": run["instruction_accuracy"],
                          "instruction_interval_95": run["instruction_interval_95"],
                          "arithmetic": run["accuracy"].get("arithmetic"),
@@ -62,14 +76,17 @@ def main() -> None:
     runs = json.loads(args.results.read_text())["runs"]
     rows = compare(runs, json.loads(args.baseline))
     args.results.with_suffix(".paired.json").write_text(json.dumps(rows, indent=1) + "\n")
-    print("| B | options | solved | arith | instr. [95%] | lost / gained | p | tok/step | positions 0-1 / later |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| B | options | solved | arith | instr. [95%] | lost / gained | p | difference [95%] "
+          "| tok/step | positions 0-1 / later | tok/s |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         low, high = r["instruction_interval_95"]
+        d_low, d_high = r["difference_interval_95"]
         print(f"| {r['block_size']} | `{json.dumps(r['options'])}` | {r['solved']}/{r['problems']} | "
               f"{r['arithmetic']:.2f} | {r['instruction_accuracy']:.2f} [{low:.2f}, {high:.2f}] | "
-              f"{r['lost']} / {r['gained']} | {r['p_value']:.2f} | {r['tokens_per_step']:.2f} | "
-              f"{r['positions_0_1']:.2f} / {r['positions_later']:.2f} |")
+              f"{r['lost']} / {r['gained']} | {r['p_value']:.2f} | "
+              f"{r['difference']:+.3f} [{d_low:+.3f}, {d_high:+.3f}] | {r['tokens_per_step']:.2f} | "
+              f"{r['positions_0_1']:.2f} / {r['positions_later']:.2f} | {r['tokens_per_s']:.0f} |")
 
 
 if __name__ == "__main__":

@@ -6,10 +6,12 @@ computed, validated options, and no state left behind by preemption or abort."""
 from __future__ import annotations
 
 import gc
+import math
 import random
 import weakref
 
 import pytest
+import torch
 from conftest import diffusion_llm, watch_preemptions
 from reference_early_skip import reference_ada_generate, reference_es_generate
 from reference_sdar import ReferenceSDAR, reference_generate
@@ -68,16 +70,25 @@ def test_es_without_skipping_equals_standard(dense_checkpoint, strategy):
     assert stats["block_positions_per_layer"] == [stats["block_positions_computed"]] * 2
 
 
-@pytest.mark.parametrize("block_size,skip_layers,refresh_period", [
-    (8, None, None), (16, None, 3), (16, [1, 2], None)], ids=["b8-default", "b16-refresh3",
-                                                            "b16-layers1,2"])
-def test_es_equals_the_es_reference(four_layer_checkpoint, block_size, skip_layers,
-                                    refresh_period):
+# (block size, skip layers, refresh period, keep floor, priority bonuses)
+ES_GRID = {
+    "b8-paper-defaults": (8, None, 4, True, True),
+    "b16-refresh3": (16, None, 3, True, True),
+    "b16-layers1,2-no-refresh": (16, [1, 2], None, True, True),
+    "b16-equations-only": (16, None, None, False, False),
+    "b16-floor-without-bonuses": (16, [1, 2], 8, True, False),
+}
+
+
+@pytest.mark.parametrize("case", ES_GRID.values(), ids=ES_GRID.keys())
+def test_es_equals_the_es_reference(four_layer_checkpoint, case):
+    block_size, skip_layers, refresh_period, keep_floor, bonuses = case
     checkpoint = four_layer_checkpoint
     mask_id, stops, vocab_size = checkpoint_info(checkpoint)
     prompts = make_prompts(block_size, vocab_size, stops | {mask_id}, seed=50 + block_size)
     options = {"strategy": "low_confidence_dynamic", "threshold": 0.5, "alpha": 0.5,
-               "skip_ratio": 0.5, "refresh_period": refresh_period}
+               "skip_ratio": 0.5, "refresh_period": refresh_period, "keep_floor": keep_floor,
+               "priority_bonuses": bonuses}
     engine = {"skip_layers": skip_layers} if skip_layers else {}
     got, stats = run(checkpoint, block_size, prompts, "es", options, 3 * block_size, engine)
     layers = tuple(skip_layers or default_skip_layers(4))
@@ -91,6 +102,30 @@ def test_es_equals_the_es_reference(four_layer_checkpoint, block_size, skip_laye
     assert per_layer[layers[0]] == per_layer[0]  # skipping starts after the skip layer
     assert per_layer[-1] < per_layer[0]
     assert per_layer[-1] == stats["block_positions_after_eviction"]
+
+
+def test_the_papers_configurations_are_the_defaults():
+    """ES-dLLM: alpha = r = 0.5 (section 6.1), the block refresh every 4 steps (Table 5),
+    the authors' safeguards on; Ada-DLM: K = 15% of the block, frozen positions computed
+    once more with their token and then reused; the keep count rounds (1 - 0.8) * 10 to 2,
+    not to the 1 binary floats give."""
+    from vllm_diffusion.policies.ada import AdaConfig, capacity_count
+    from vllm_diffusion.policies.es import EsConfig, keep_count
+    from reference_early_skip import es_keep_count
+
+    es = EsConfig()
+    assert (es.alpha, es.skip_ratio, es.refresh_period, es.keep_floor,
+            es.priority_bonuses) == (0.5, 0.5, 4, True, True)
+    ada = AdaConfig()
+    assert (ada.capacity, ada.history, ada.freeze_rule) == (0.15, 3, "after_recompute")
+    assert capacity_count(ada.capacity, 32) == 5 and capacity_count(ada.capacity, 4) == 1
+    assert math.floor((1 - 0.8) * 10) == 1  # the float trap
+    for args in [(10, 1, 0.8, 0, False), (32, 2, 0.5, 0, False), (32, 2, 0.5, 9, True),
+                 (4, 2, 0.5, 0, True), (7, 1, 0.5, 1, True), (3, 1, 0.9, 0, False)]:
+        assert keep_count(*args) == es_keep_count(*args)
+    assert keep_count(10, 1, 0.8, 0, False) == 2
+    assert keep_count(32, 2, 0.5, 0, False) == 8  # the cumulative share 0.25
+    assert keep_count(32, 2, 0.5, 9, True) == 11  # the floor: decoded last step + 2
 
 
 def test_es_on_moe_equals_the_es_reference(moe_checkpoint):
@@ -107,22 +142,25 @@ def test_es_on_moe_equals_the_es_reference(moe_checkpoint):
                                                skip_layers=(0,), **options)
 
 
-@pytest.mark.parametrize("block_size,capacity,history,cache", [
-    (8, 0.15, 3, True), (16, 0.15, 3, True), (16, 0.5, 1, True), (4, 1.0, 3, True),
-    (16, 0.15, 3, False)])
+@pytest.mark.parametrize("block_size,capacity,history,cache,freeze_rule", [
+    (8, 0.15, 3, True, "after_recompute"), (16, 0.15, 3, True, "after_recompute"),
+    (16, 0.5, 1, True, "after_recompute"), (4, 1.0, 3, True, "after_recompute"),
+    (16, 0.15, 3, False, "after_recompute"), (16, 0.15, 3, True, "after_neighbour"),
+    (8, 0.3, 2, True, "immediate")])
 def test_ada_equals_the_ada_reference(four_layer_checkpoint, block_size, capacity, history,
-                                      cache):
+                                      cache, freeze_rule):
     checkpoint = four_layer_checkpoint
     mask_id, stops, vocab_size = checkpoint_info(checkpoint)
     prompts = make_prompts(block_size, vocab_size, stops | {mask_id}, seed=60 + block_size)
-    options = {"capacity": capacity, "history": history, "intra_block_cache": cache}
+    options = {"capacity": capacity, "history": history, "intra_block_cache": cache,
+               "freeze_rule": freeze_rule}
     got, stats = run(checkpoint, block_size, prompts, "ada", options, 3 * block_size)
     reference = ReferenceSDAR(checkpoint)
     for prompt, tokens in zip(prompts, got):
         assert tokens == reference_ada_generate(reference, prompt, block_size=block_size,
                                                 mask_id=mask_id, max_tokens=3 * block_size,
                                                 **options)
-    # Frozen positions are not recomputed (once their right neighbour is decoded too).
+    # Frozen positions are not recomputed (at once, or once their right neighbour is).
     whole_blocks = stats["denoising_steps"] * block_size
     assert (stats["block_positions_computed"] < whole_blocks if cache
             else stats["block_positions_computed"] == whole_blocks)
@@ -214,3 +252,63 @@ def test_preemption_decodes_completely_and_leaves_no_state(four_layer_checkpoint
     for out in outputs:
         tokens = list(out.outputs[0].token_ids)
         assert len(tokens) == 40 and mask_id not in tokens
+
+
+def test_ada_without_its_cache_decodes_the_same_under_preemption(four_layer_checkpoint):
+    """Without the intra-block cache Ada-DLM's block KV is a function of its canvas, and its
+    confidence history survives a preemption, so a preempted request decodes exactly as
+    in an engine with room for every request."""
+    mask_id, stops, vocab_size = checkpoint_info(four_layer_checkpoint)
+    rng = random.Random(12)
+    allowed = [t for t in range(vocab_size) if t not in stops | {mask_id}]
+    prompts = [TokensPrompt(prompt_token_ids=[rng.choice(allowed)
+                                              for _ in range(rng.randint(5, 30))])
+               for _ in range(8)]
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True,
+                            extra_args={"intra_block_cache": False})
+    outputs, preempted = {}, []
+    for tight in (False, True):
+        room = ({"num_gpu_blocks_override": 12} if tight else {})
+        with diffusion_llm(four_layer_checkpoint, diffusion_block_size=8, block_size=16,
+                           enable_prefix_caching=False, max_model_len=128, **room,
+                           additional_config={"diffusion_policy": "ada"}) as llm:
+            watched = watch_preemptions(llm)
+            outputs[tight] = [list(o.outputs[0].token_ids)
+                              for o in llm.generate(prompts, params, use_tqdm=False)]
+            if tight:
+                preempted = watched
+    assert preempted, "no request was preempted; the test does not cover preemption"
+    assert outputs[True] == outputs[False]
+
+
+@pytest.mark.parametrize("policy", ["es", "ada"])
+def test_a_resumed_block_keeps_the_decision_state(policy):
+    """start_block(resumed=True) keeps the confidence cache / history (and ES-dLLM's
+    decoded positions), and asks for a step that recomputes the block; a new block resets
+    them."""
+    from vllm_diffusion.policies import POLICIES
+    from vllm_diffusion.step.request import DiffusionRequest
+
+    cls = POLICIES[policy]
+    config = cls.config_cls()
+    policy_object = cls(8, 0, config)
+    request = DiffusionRequest("r", config, policy_object.new_state(config), False)
+    policy_object.start_block(request, resumed=False)
+    state = request.policy_state
+    if policy == "es":
+        state.confidence = torch.linspace(0, 1, 8)
+        state.decoded_last_step[2] = True
+        state.kv_lost = False
+        policy_object.start_block(request, resumed=True)
+        assert torch.equal(state.confidence, torch.linspace(0, 1, 8))
+        assert bool(state.decoded_last_step[2]) and state.kv_lost
+        policy_object.start_block(request, resumed=False)
+        assert not bool(state.confidence.any())
+    else:
+        state.history = torch.ones(8, 3)
+        state.cache.uncached[:4] = False
+        policy_object.start_block(request, resumed=True)
+        assert torch.equal(state.history, torch.ones(8, 3))
+        assert bool(state.cache.processing_set().all())  # the block is recomputed
+        policy_object.start_block(request, resumed=False)
+        assert not bool(state.history.any())

@@ -28,8 +28,9 @@ GRID = {
 }
 
 
+@pytest.mark.parametrize("rule", ["sampled_token", "max_probability"])
 @pytest.mark.parametrize("name", GRID)
-def test_batched_proposals_equal_per_request_proposals(name):
+def test_batched_proposals_equal_per_request_proposals(name, rule):
     requests = GRID[name]
     gen = torch.Generator().manual_seed(len(name))
     logits = torch.randn(sum(n for n, _, _ in requests), 64, generator=gen) * 3
@@ -40,14 +41,34 @@ def test_batched_proposals_equal_per_request_proposals(name):
 
     tokens, confidence = propose_for_requests(
         logits.clone(), MASK, [n for n, _, _ in requests], [p for _, p, _ in requests],
-        generators())
+        generators(), confidence_rule=rule)
     offset = 0
     for (n, p, _), generator in zip(requests, generators()):
         want_tokens, want_confidence = propose_tokens(
             logits[offset:offset + n].clone(), MASK, p.temperature, p.top_k, p.top_p,
-            generator)
+            generator, max_probability=rule == "max_probability")
         assert tokens[offset:offset + n].tolist() == want_tokens.tolist()
         torch.testing.assert_close(confidence[offset:offset + n], want_confidence,
                                    rtol=0, atol=0)
         offset += n
     assert MASK not in tokens.tolist()
+
+
+def test_max_probability_confidence_draws_the_same_tokens():
+    """The confidence rule changes the confidences of sampled rows only: the draws are the
+    same, a sampled row's confidence is its distribution's largest probability (at least
+    the drawn token's), greedy rows agree under both rules."""
+    requests = GRID["mixed"]
+    logits = torch.randn(sum(n for n, _, _ in requests), 64,
+                         generator=torch.Generator().manual_seed(9)) * 3
+    results = {}
+    for rule in ("sampled_token", "max_probability"):
+        results[rule] = propose_for_requests(
+            logits.clone(), MASK, [n for n, _, _ in requests], [p for _, p, _ in requests],
+            [torch.Generator().manual_seed(s) if s is not None else None
+             for _, _, s in requests], confidence_rule=rule)
+    (tokens, drawn), (same_tokens, largest) = results.values()
+    assert torch.equal(tokens, same_tokens)
+    assert bool((largest >= drawn).all()) and bool((largest > drawn).any())
+    greedy = requests[0][0]
+    assert torch.equal(largest[:greedy], drawn[:greedy])

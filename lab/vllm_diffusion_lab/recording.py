@@ -97,6 +97,10 @@ class RecordingPolicy(DecodingPolicy):
         return self.inner.drops_rows_in_forward
 
     @property
+    def confidence_rule(self) -> str:
+        return self.inner.confidence_rule
+
+    @property
     def block_size(self) -> int:
         return self.inner.block_size
 

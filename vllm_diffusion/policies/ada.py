@@ -5,12 +5,14 @@ current block of a block-diffusion model.
 
 Every step, over the block's m masked positions (all of them are computed every step):
 
-1. rank-aware centroid initialisation: sort by this step's confidence C_t (ties to the
-   left); with capacity K = ceil(capacity * m), the top-ranked position is the prototype
-   of the high-confidence centroid and the (K+1)-th the prototype of the boundary centroid.
-   When K >= m there is no (K+1)-th: the lowest-ranked masked position is the boundary
-   prototype (with m = 1 both prototypes are the one position, which the at-least-one rule
-   below freezes);
+1. rank-aware centroid initialisation: sort by this step's confidence C_t (the maximum
+   probability, as the paper defines it; ties to the left); with the capacity K =
+   ceil(capacity * B), fixed for the block (the paper fixes K at about 15% of the
+   sequence; for block diffusion, of the block B), the top-ranked position is the
+   prototype of the high-confidence centroid and the (K+1)-th the prototype of the boundary
+   centroid. When K >= m there is no (K+1)-th: the lowest-ranked masked position is the
+   boundary prototype (with m = 1 both prototypes are the one position, which the
+   at-least-one rule below freezes; the paper does not say what happens then);
 2. evolution-aware features: v_i = [C_t, C_{t-1}, ..., C_{t-h+1}] (h = ``history``, the
    paper's 3), the position's confidences over the block's last h steps, 0 before the
    block's first step; the centroids are the prototypes' vectors;
@@ -18,12 +20,26 @@ Every step, over the block's m masked positions (all of them are computed every 
    position (a tie stays active, as Algorithm 1's d_high >= d_bound); the top-ranked
    position is always frozen, so every step commits at least one token.
 
-Freezing commits the position's proposed token. Frozen positions then cost nothing: like
-FOCUS's neighbour-aware intra-block cache (``block_cache.py``), a decoded position is
-recomputed once with its real token and then keeps its KV (Ada-DLM's gather-compute-
-scatter: the step computes only the gathered rows). Committed KV is exact: a completed
-block is re-encoded when it is committed. With ``intra_block_cache=False`` every step
-recomputes the whole block (to separate the decision's effect from the cache's).
+Freezing commits the position's proposed token (the paper gives no code; commit-now is
+our reading of "early-stopped"). Frozen positions then cost (almost) nothing. In the paper
+(section 4.3, Algorithm 2) a frozen token skips the FFN (gather-GEMM-scatter) while the
+full sequence still attends to it, so its decoded token is seen. With exact KV caching the
+nearest rule is ``freeze_rule`` ``after_recompute`` (the default): the step after the
+freeze computes the position once with its token, and its KV is then reused for the rest
+of the block. ``immediate`` never computes it again, so its KV stays what it was computed
+from the mask token and the block never sees its own decoded tokens: a literal reading of
+"frozen" that loses 0.29-0.31 of the accuracy on the default model (RESULTS.md), kept to
+reproduce that. ``after_neighbour`` is FOCUS's neighbour-aware intra-block cache
+(``block_cache.py``; not the paper's): recomputed until it and its right neighbour are
+both decoded. Committed KV is exact:
+a completed block is re-encoded when it is committed. With ``intra_block_cache=False``
+every step recomputes the whole block (to separate the decision's effect from the
+cache's).
+
+A preemption frees the block's KV; the confidence history is kept, and the step after it
+computes the whole block once (frozen positions with their tokens) before freezing again.
+Without the intra-block cache the block's KV is a function of its canvas, so a preempted
+request decodes exactly as without the preemption.
 """
 
 from __future__ import annotations
@@ -36,23 +52,26 @@ import torch
 
 from vllm_diffusion.options import Rule, option
 from vllm_diffusion.policies.base import DecodingPolicy, PolicyConfig
-from vllm_diffusion.policies.block_cache import IntraBlockCache
+from vllm_diffusion.policies.block_cache import RULES, IntraBlockCache
 from vllm_diffusion.step.plans import WHOLE_BLOCK, BlockStepPlan, CommitBatch
 from vllm_diffusion.step.request import DiffusionRequest
 
 
 @dataclasses.dataclass(frozen=True)
 class AdaConfig(PolicyConfig):
-    # K as a share of the block's masked positions (the paper: about 15%)
+    # K as a share of the block, fixed for the block (the paper: about 15%)
     capacity: float = option(0.15, Rule(float, low=0.0, high=1.0, low_inclusive=False))
     history: int = option(3, Rule(int, low=1, high=16))  # confidence steps per feature
     # False: every step recomputes the whole block (frozen positions included)
     intra_block_cache: bool = option(True, Rule(bool))
+    # With the cache, when a frozen position stops being computed (``block_cache.RULES``):
+    # after one step with its token, never again, or once its right neighbour is decoded.
+    freeze_rule: str = option("after_recompute", Rule(str, choices=RULES))
 
 
-def capacity_count(capacity: float, num_masked: int) -> int:
-    """K = ceil(capacity * m), at least 1 (a tolerance keeps 0.15 * 20 at 3)."""
-    return max(1, math.ceil(capacity * num_masked - 1e-9))
+def capacity_count(capacity: float, block_size: int) -> int:
+    """K = ceil(capacity * B), at least 1 (a tolerance keeps 0.15 * 20 at 3)."""
+    return max(1, math.ceil(capacity * block_size - 1e-9))
 
 
 def freeze_positions(confidence: torch.Tensor, masked: torch.Tensor,
@@ -61,7 +80,7 @@ def freeze_positions(confidence: torch.Tensor, masked: torch.Tensor,
 
     confidence: [B] float, this step's confidence (read at masked positions);
     masked: [B] bool, the candidates; history: [B, h] float, row i the feature vector v_i
-    with this step's confidence first.
+    with this step's confidence first; K = ceil(capacity * B).
     """
     frozen = torch.zeros_like(masked)
     candidates = torch.nonzero(masked).flatten()
@@ -69,7 +88,7 @@ def freeze_positions(confidence: torch.Tensor, masked: torch.Tensor,
     if num == 0:
         return frozen
     order = candidates[torch.sort(confidence[candidates], descending=True, stable=True).indices]
-    k = capacity_count(capacity, num)
+    k = capacity_count(capacity, len(masked))
     high = history[order[0]]
     bound = history[order[k] if k < num else order[num - 1]]
     features = history[candidates]  # [m, h]
@@ -90,7 +109,7 @@ def batched_freeze_positions(confidence: torch.Tensor, masked: torch.Tensor,
     num = masked.sum(dim=1)  # [R]
     scored = torch.where(masked, confidence, torch.full_like(confidence, float("-inf")))
     order = torch.sort(scored, dim=1, descending=True, stable=True).indices  # [R, B]
-    k = torch.clamp(torch.ceil(capacity.double() * num - 1e-9).long(), min=1)
+    k = torch.clamp(torch.ceil(capacity.double() * masked.shape[1] - 1e-9).long(), min=1)
     boundary = torch.where(k < num, k, (num - 1).clamp(min=0))
     high = history[rows, order[:, 0]]  # [R, h]
     bound = history[rows, order[rows, boundary]]  # [R, h]
@@ -108,9 +127,10 @@ class AdaState:
     cache: IntraBlockCache | None = None
     history: torch.Tensor | None = None  # [B, h] float32 (host), newest confidence first
 
-    def start_block(self) -> None:
-        self.cache = IntraBlockCache(self.block_size)
-        self.history = torch.zeros(self.block_size, self.history_steps)
+    def start_block(self, resumed: bool, freeze_rule: str) -> None:
+        self.cache = IntraBlockCache(self.block_size, rule=freeze_rule)
+        if not resumed or self.history is None:  # a resumed block keeps its history
+            self.history = torch.zeros(self.block_size, self.history_steps)
 
 
 AdaRequest = DiffusionRequest[AdaConfig, AdaState]
@@ -119,12 +139,13 @@ AdaRequest = DiffusionRequest[AdaConfig, AdaState]
 class AdaPolicy(DecodingPolicy[AdaConfig, AdaState]):
     name: ClassVar[str] = "ada"
     config_cls: ClassVar[type] = AdaConfig
+    confidence_rule: ClassVar[str] = "max_probability"
 
     def new_state(self, config: AdaConfig) -> AdaState:
         return AdaState(self.block_size, config.history)
 
     def start_block(self, request: AdaRequest, resumed: bool) -> None:
-        request.policy_state.start_block()
+        request.policy_state.start_block(resumed, request.policy_config.freeze_rule)
 
     def plan_step(self, request: AdaRequest) -> BlockStepPlan:
         if not request.policy_config.intra_block_cache:
@@ -154,4 +175,5 @@ class AdaPolicy(DecodingPolicy[AdaConfig, AdaState]):
 
     def after_step(self, request: AdaRequest, masked_before: torch.Tensor,
                    computed: torch.Tensor, num_decoded: int) -> None:
-        request.policy_state.cache.update(masked_before)
+        request.policy_state.cache.update(masked_before,
+                                          request.canvas.masked(self.mask_token_id))

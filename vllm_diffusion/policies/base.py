@@ -55,6 +55,10 @@ class DecodingPolicy(abc.ABC, Generic[ConfigT, StateT]):
     # True if its forward hooks may drop rows inside the forward: the engine then runs
     # eagerly (vLLM compiles the forward once, for a row count fixed when it starts).
     drops_rows_in_forward: ClassVar[bool] = False
+    # A sampled proposal's confidence: "sampled_token" (its probability; SDAR's
+    # definition) or "max_probability" (the distribution's largest probability, as the
+    # ES-dLLM and Ada-DLM papers define it). Greedy proposals agree under both.
+    confidence_rule: ClassVar[str] = "sampled_token"
 
     def __init__(self, block_size: int, mask_token_id: int, engine_config: ConfigT) -> None:
         self.block_size = block_size

@@ -3,7 +3,10 @@ reuse decoded positions' KV within a block (FOCUS, chunked decoding with reuse).
 
 Which positions of a block a step processes: all of them on the block's first step;
 afterwards a decoded position is dropped once it and its right neighbour were both
-decoded before the step (so it is recomputed once with its real token first).
+decoded before the step (so it is recomputed once with its real token first). Other
+rules (``RULES``): ``after_recompute`` drops a decoded position after the step that
+recomputed it with its token, whatever its neighbour; ``immediate`` drops it as soon as it
+is decoded, so its KV stays what it was computed from the mask token.
 """
 
 from __future__ import annotations
@@ -11,6 +14,8 @@ from __future__ import annotations
 import dataclasses
 
 import torch
+
+RULES = ("after_neighbour", "after_recompute", "immediate")
 
 
 @dataclasses.dataclass
@@ -20,6 +25,7 @@ class IntraBlockCache:
     block_size: int
     uncached: torch.Tensor = None  # [B] bool, positions whose KV is not frozen
     warm: bool = False  # False until the block's first step has processed everything
+    rule: str = "after_neighbour"  # one of RULES
 
     def __post_init__(self) -> None:
         if self.uncached is None:
@@ -31,10 +37,18 @@ class IntraBlockCache:
             return torch.ones(self.block_size, dtype=torch.bool)
         return self.uncached.clone()
 
-    def update(self, masked_before_step: torch.Tensor) -> None:
-        """After a step, given which positions were masked before its unmasking."""
+    def update(self, masked_before_step: torch.Tensor,
+               masked_after_step: torch.Tensor | None = None) -> None:
+        """After a step, given which positions were masked before its unmasking (and,
+        for ``immediate``, after it)."""
+        self.warm = True
+        if self.rule == "immediate":
+            self.uncached &= masked_after_step
+            return
+        if self.rule == "after_recompute":
+            self.uncached &= masked_before_step
+            return
         decoded = ~masked_before_step
         right_decoded = torch.ones_like(decoded)  # the last position has no right neighbour
         right_decoded[:-1] = decoded[1:]
         self.uncached &= ~(decoded & right_decoded)
-        self.warm = True

@@ -13,7 +13,9 @@ The stages run in vLLM's sampler order, each a named slot (``STAGES``):
 7. ``mask_token``         -- the mask token is never proposed
 8. ``temperature``, ``top_k_top_p``, ``draw`` -- ``sampling.draw_for_requests``: greedy
    rows take the arg-max (confidence: its softmax probability), sampled rows are scaled,
-   filtered and drawn with the request's generator
+   filtered and drawn with the request's generator (confidence: the drawn token's
+   probability in that distribution, or its largest probability where the policy's
+   ``confidence_rule`` says ``max_probability``)
 9. ``commit_choice``      -- the policy's ``choose_commits`` over the proposals (the runner)
 
 A logit stage edits ``ProposalBatch.logits`` in place for the rows it concerns. A slot
@@ -59,9 +61,16 @@ LOGIT_STAGES: dict[str, LogitStage | None] = {name: None for name in SLOT_PARAME
 STAGES = (*LOGIT_STAGES, "mask_token", "temperature", "top_k_top_p", "draw", "commit_choice")
 
 
+CONFIDENCE_RULES = ("sampled_token", "max_probability")
+
+
 class ProposalPipeline:
-    def __init__(self, mask_token_id: int) -> None:
+    def __init__(self, mask_token_id: int, confidence_rule: str = "sampled_token") -> None:
+        if confidence_rule not in CONFIDENCE_RULES:
+            raise ValueError(f"confidence rule {confidence_rule!r}: expected one of "
+                             f"{CONFIDENCE_RULES}")
         self.mask_token_id = mask_token_id
+        self.max_probability = confidence_rule == "max_probability"
         self.logit_stages = [stage for stage in LOGIT_STAGES.values() if stage is not None]
 
     def propose(self, logits: torch.Tensor, counts: list[int], params: list,
@@ -71,11 +80,15 @@ class ProposalPipeline:
         for stage in self.logit_stages:
             stage(batch)
         batch.logits[:, self.mask_token_id] = float("-inf")
-        return draw_for_requests(batch.logits, counts, params, generators)
+        return draw_for_requests(batch.logits, counts, params, generators,
+                                 max_probability=self.max_probability)
 
 
 def propose_for_requests(logits: torch.Tensor, mask_token_id: int, counts: list[int],
-                         params: list, generators: list) -> tuple[torch.Tensor, torch.Tensor]:
+                         params: list, generators: list,
+                         confidence_rule: str = "sampled_token"
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
     """The pipeline's proposals for the rows of several requests at once (see
     ``ProposalPipeline.propose``)."""
-    return ProposalPipeline(mask_token_id).propose(logits, counts, params, generators)
+    return ProposalPipeline(mask_token_id, confidence_rule).propose(logits, counts, params,
+                                                                    generators)

@@ -79,7 +79,8 @@ class DiffusionRunnerMixin:
         self.policy = self.diffusion.make_policy()
         self.policy.bind_model(self.vllm_config.model_config.hf_config,
                                bool(self.cache_config.enable_prefix_caching))
-        self.proposals = ProposalPipeline(self.diffusion.mask_token_id)
+        self.proposals = ProposalPipeline(self.diffusion.mask_token_id,
+                                          self.policy.confidence_rule)
         self.diffusion_requests: dict[str, DiffusionRequest] = {}
         self.num_layers = self.vllm_config.model_config.hf_config.num_hidden_layers
         self.diffusion_stats = DiffusionStats()

@@ -3,7 +3,9 @@
 Greedy (temperature 0): the arg-max token, confidence = its softmax probability.
 Sampled: temperature, then top-k, then top-p filtering; the token is drawn from the
 filtered distribution with the request's generator, confidence = its probability there
-(SDAR's ``generate.py``). The mask token is never proposed.
+(SDAR's ``generate.py``), or, for the policies whose papers define it so (ES-dLLM,
+Ada-DLM), the filtered distribution's largest probability. The mask token is never
+proposed.
 
 ``propose_tokens`` (one request) is the plain reference; the engine proposes for all the
 requests of a step at once through the proposal pipeline (``proposal.py``), whose last
@@ -37,9 +39,10 @@ def filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.
 
 
 def propose_tokens(logits: torch.Tensor, mask_token_id: int, temperature: float,
-                   top_k: int, top_p: float,
-                   generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """logits: [n, V]. Returns proposed tokens [n] int64 and their confidences [n] float32."""
+                   top_k: int, top_p: float, generator: torch.Generator | None,
+                   max_probability: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits: [n, V]. Returns proposed tokens [n] int64 and their confidences [n] float32
+    (with ``max_probability``: the largest probability of each row's distribution)."""
     logits = logits.float()
     logits[:, mask_token_id] = float("-inf")
     if temperature < _GREEDY_EPS:
@@ -47,6 +50,8 @@ def propose_tokens(logits: torch.Tensor, mask_token_id: int, temperature: float,
         return tokens, confidence
     probs = filter_top_k_top_p(logits / temperature, top_k, top_p).softmax(dim=-1)
     tokens = torch.multinomial(probs, 1, generator=generator)  # [n, 1]
+    if max_probability:
+        return tokens.squeeze(1), probs.max(dim=1).values
     return tokens.squeeze(1), probs.gather(1, tokens).squeeze(1)
 
 
@@ -75,13 +80,16 @@ def batched_filter_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor,
 
 
 def draw_for_requests(logits: torch.Tensor, counts: list[int], params: list,
-                      generators: list) -> tuple[torch.Tensor, torch.Tensor]:
+                      generators: list, max_probability: bool = False
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
     """Temperature, top-k / top-p and the draw for the rows of several requests at once.
     logits: [n, V] float32 (the earlier stages applied), request i owns the next
     ``counts[i]`` rows; ``params[i]`` its sampling parameters (temperature, top_k, top_p)
     and ``generators[i]`` its generator. Greedy rows are decided together; sampled rows
     are filtered together and drawn per request, with its own generator, in request order
-    (so a seeded request draws exactly as when proposed alone)."""
+    (so a seeded request draws exactly as when proposed alone). A sampled row's confidence
+    is the drawn token's probability in the filtered distribution, or with
+    ``max_probability`` that distribution's largest probability."""
     confidence, tokens = logits.softmax(dim=-1).max(dim=-1)
     sampled = [i for i, p in enumerate(params) if p.temperature >= _GREEDY_EPS]
     if not sampled:
@@ -105,6 +113,7 @@ def draw_for_requests(logits: torch.Tensor, counts: list[int], params: list,
         part = probs[offset:offset + len(span)]
         drawn = torch.multinomial(part, 1, generator=generators[i])  # [n_i, 1]
         tokens[rows_device[offset:offset + len(span)]] = drawn.squeeze(1)
-        confidence[rows_device[offset:offset + len(span)]] = part.gather(1, drawn).squeeze(1)
+        chosen = part.max(dim=1).values if max_probability else part.gather(1, drawn).squeeze(1)
+        confidence[rows_device[offset:offset + len(span)]] = chosen
         offset += len(span)
     return tokens, confidence
