@@ -135,10 +135,12 @@ def reference_generate_editing(model, prompt_ids: list[int], *, block_size: int,
 
     Per block, each step: one forward; if masks remain, the strategy fills some (as SDAR);
     every position that was filled before this step (never a prompt position) takes the
-    model's token where it differs and its probability exceeds ``editing_threshold``. After
-    the step, with no mask left, the block ends if the step edited nothing or if
-    ``max_post_steps`` steps have run with no mask at their start. A token's step is the
-    step of its last change.
+    model's token where it differs and its probability exceeds ``editing_threshold``. As in
+    the published loop, masks are looked for at the start of each step: a step that starts
+    with none is a post step (counted), and the block ends after a post step that edited
+    nothing; a post step would exceed ``max_post_steps``, the block ends before it (so
+    with 0 it ends right after its last mask is filled). A token's step is the step of its
+    last change.
     """
     from reference_sdar import block_causal_mask, select_positions, transfer_quotas
 
@@ -155,8 +157,11 @@ def reference_generate_editing(model, prompt_ids: list[int], *, block_size: int,
         step, post_steps = 0, 0
         while True:
             masked = block == mask_id
-            if not bool(masked.any()):
+            began_unmasked = not bool(masked.any())
+            if began_unmasked:
                 post_steps += 1
+                if post_steps > max_post_steps:
+                    break
             tokens = torch.cat((torch.tensor(committed, dtype=torch.long), block))
             logits = model.forward(tokens, block_causal_mask(len(tokens), block_size))[-block_size:]
             logits[:, mask_id] = float("-inf")
@@ -176,8 +181,7 @@ def reference_generate_editing(model, prompt_ids: list[int], *, block_size: int,
             block = new_block
             forwards += 1
             step += 1
-            if not bool((block == mask_id).any()) and (
-                    not bool(edit.any()) or post_steps >= max_post_steps):
+            if began_unmasked and not bool(edit.any()):
                 break
             assert step <= 64 * block_size
         for position, token in enumerate(block.tolist(), start=start):

@@ -1,12 +1,10 @@
 """Compiled execution: with vLLM's default compilation (on CPU: the forward traced once
 into one graph, guards dropped, attention as an opaque custom op) the standard policy's
 greedy output equals the reference across block sizes, batch sizes and prompt lengths in
-one engine, so nothing is frozen at the traced shapes; policies that drop rows inside the
-forward run eagerly, and say so."""
+one engine, so nothing is frozen at the traced shapes (policies with forward hooks:
+``test_compiled_hooks.py``)."""
 
 from __future__ import annotations
-
-import logging
 
 import pytest
 from conftest import diffusion_llm
@@ -56,18 +54,3 @@ def test_compiled_standard_equals_the_reference_at_every_shape(name, dense_check
         stats = stats_delta(before, llm.collective_rpc("diffusion_stats")[0])
     layers = len(stats["block_positions_per_layer"])
     assert stats["block_positions_per_layer"] == [stats["block_positions_computed"]] * layers
-
-
-@pytest.mark.parametrize("policy", ["focus", "es"])
-def test_policies_that_drop_rows_run_eagerly_and_say_why(policy, dense_checkpoint, caplog):
-    engine = {"diffusion_policy": policy, **({"skip_layers": [0]} if policy == "es" else {})}
-    with caplog.at_level(logging.INFO, logger="vllm_diffusion.engine_setup"):
-        with diffusion_llm(dense_checkpoint, diffusion_block_size=8, enforce_eager=False,
-                           additional_config=engine) as llm:
-            config = llm.llm_engine.vllm_config
-            assert config.model_config.enforce_eager
-            assert config.compilation_config.mode == CompilationMode.NONE
-            out = llm.generate(TokensPrompt(prompt_token_ids=[5, 6, 7]),
-                               SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
-            assert len(out[0].outputs[0].token_ids) == 8
-    assert f"the {policy} policy changes the number of rows inside the forward" in caplog.text

@@ -37,3 +37,21 @@ def test_token_budget_is_a_count_in_range_for_any_float(alpha, mean_decoded):
     delta = torch.tensor([0.1, float("nan"), 0.3, 5.0])
     budget = token_budget(delta, mean_decoded, alpha, block_size=8)
     assert isinstance(budget, int) and 1 <= budget <= 8
+
+
+def test_post_steps_are_bounded_by_the_engine_limit():
+    """A request's 'max_post_steps' multiplies its work (one forward of the block per post
+    step): above the engine-wide 'max_post_steps_limit' it is refused naming the limit,
+    and the limit itself cannot be raised per request."""
+    from vllm_diffusion.config import DiffusionEngineConfig
+    from vllm_diffusion.policies.standard import StandardConfig
+
+    engine = DiffusionEngineConfig("standard", 8, 0, StandardConfig())
+    assert engine.request_policy_config({"max_post_steps": 64}).max_post_steps == 64
+    with pytest.raises(OptionError, match=r"'max_post_steps' must be at most the engine's "
+                                          r"'max_post_steps_limit' \(64\), got 4096"):
+        engine.request_policy_config({"editing_threshold": 0.0, "max_post_steps": 4096})
+    with pytest.raises(OptionError, match=r"'max_post_steps_limit' is engine-wide"):
+        engine.request_policy_config({"max_post_steps_limit": 500})
+    roomy = DiffusionEngineConfig("standard", 8, 0, StandardConfig(max_post_steps_limit=200))
+    assert roomy.request_policy_config({"max_post_steps": 150}).max_post_steps == 150

@@ -113,10 +113,5 @@ class DiffusionModelConfigHook(VerifyAndUpdateConfig):
         if (scheduler_config.max_num_scheduled_tokens or needed) < needed:
             scheduler_config.max_num_scheduled_tokens = needed
 
-        if not model_config.enforce_eager and config.policy.drops_rows_in_forward:
-            logger.info("vllm-diffusion: running eagerly: the %s policy changes the number "
-                        "of rows inside the forward (a compiled graph is traced once, for "
-                        "rows fixed when the forward starts)", config.policy_name)
-            model_config.enforce_eager = True
         logger.info("vllm-diffusion: policy %s, diffusion block size %d, mask token %d",
                     config.policy_name, block, config.mask_token_id)

@@ -93,10 +93,6 @@ class RecordingPolicy(DecodingPolicy):
         return self.inner.config_cls
 
     @property
-    def drops_rows_in_forward(self) -> bool:
-        return self.inner.drops_rows_in_forward
-
-    @property
     def confidence_rule(self) -> str:
         return self.inner.confidence_rule
 
@@ -150,8 +146,8 @@ class RecordingPolicy(DecodingPolicy):
     def choose_edits(self, batch: EditBatch) -> torch.Tensor | None:
         return self.inner.choose_edits(batch)
 
-    def block_ends(self, request: DiffusionRequest, edited: bool) -> bool:
-        return self.inner.block_ends(request, edited)
+    def block_ends(self, request: DiffusionRequest, edited: bool, began_unmasked: bool) -> bool:
+        return self.inner.block_ends(request, edited, began_unmasked)
 
     def after_step(self, request: DiffusionRequest, masked_before: torch.Tensor,
                    computed: torch.Tensor, num_decoded: int) -> None:

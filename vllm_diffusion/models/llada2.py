@@ -40,7 +40,8 @@ from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmb
 from vllm.model_executor.models.utils import WeightsMapper, extract_layer_index, make_layers
 
 from vllm_diffusion.models.attention_heads import init_block_diffusion_heads
-from vllm_diffusion.models.causal_lm import DiffusionCausalLM, pre_norm_layer, run_layers
+from vllm_diffusion.models.causal_lm import (DiffusionCausalLM, PreNormHalves, pre_norm_layer,
+                                             run_layers)
 from vllm_diffusion.models.step_run import StepRun
 
 
@@ -164,7 +165,7 @@ class LLaDA2MoE(nn.Module):
                             router_logits=self.gate(hidden_states))
 
 
-class LLaDA2DecoderLayer(nn.Module):
+class LLaDA2DecoderLayer(PreNormHalves, nn.Module):
     def __init__(self, config, vllm_config: VllmConfig, prefix: str) -> None:
         super().__init__()
         self.layer_index = extract_layer_index(prefix)
@@ -182,6 +183,10 @@ class LLaDA2DecoderLayer(nn.Module):
         """The published pre-norm order; returns (positions, hidden, residual) of the rows
         that continue."""
         return pre_norm_layer(self, self.attention, positions, hidden, residual, run)
+
+    @property
+    def attention_module(self) -> nn.Module:
+        return self.attention
 
 
 @support_torch_compile(dynamic_arg_dims={"input_ids": 0, "positions": -1})

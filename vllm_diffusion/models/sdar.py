@@ -26,7 +26,8 @@ from vllm.model_executor.models.utils import PPMissingLayer, extract_layer_index
 from vllm.transformers_utils.config import set_default_rope_theta
 
 from vllm_diffusion.models.attention_heads import init_block_diffusion_heads
-from vllm_diffusion.models.causal_lm import DiffusionCausalLM, pre_norm_layer, run_layers
+from vllm_diffusion.models.causal_lm import (DiffusionCausalLM, PreNormHalves, pre_norm_layer,
+                                             run_layers)
 from vllm_diffusion.models.step_run import StepRun
 
 
@@ -69,7 +70,7 @@ class SDARAttention(nn.Module):
         return output
 
 
-class SDARDecoderLayer(nn.Module):
+class SDARDecoderLayer(PreNormHalves, nn.Module):
     """Qwen3's decoder layer (dense MLP, or Qwen3-MoE's sparse block where the config
     puts one) on ``SDARAttention``."""
 
@@ -103,6 +104,10 @@ class SDARDecoderLayer(nn.Module):
         """Qwen3's pre-norm order; returns (positions, hidden, residual) of the rows that
         continue."""
         return pre_norm_layer(self, self.self_attn, positions, hidden, residual, run)
+
+    @property
+    def attention_module(self) -> nn.Module:
+        return self.self_attn
 
 
 class SDARModel(Qwen3Model):

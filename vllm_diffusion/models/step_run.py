@@ -36,8 +36,11 @@ from vllm_diffusion.step.rows import StepRows
 class StepRun:
     """One forward of a diffusion step with hooks: the hooks in, its surviving rows out."""
 
-    def __init__(self, hooks: StepHooks, block_rows: torch.Tensor, step_rows: StepRows) -> None:
+    def __init__(self, hooks: StepHooks, block_rows: torch.Tensor, step_rows: StepRows,
+                 compiled: bool = False) -> None:
         self.hooks = hooks
+        # Whether the layers between hook points run as compiled pieces (``layer_segments``)
+        self.compiled = compiled
         self.declared = hooks.layers
         self.block_rows = block_rows  # [T] bool (host): the step's block rows
         self.step_rows = step_rows  # what the attention reads
@@ -66,6 +69,11 @@ class StepRun:
             q, *carried = self._keep(selection, q, *carried)
         self.layer_block_rows.append(self._block_count)
         return (q, *carried)
+
+    def count_layer(self) -> None:
+        """A layer without attention hooks ran (in a piece between hook points): it
+        computed the current block rows."""
+        self.layer_block_rows.append(self._block_count)
 
     def after_attention(self, layer: int) -> None:
         if self._dropped_keys is not None:

@@ -52,9 +52,6 @@ StateT = TypeVar("StateT")
 class DecodingPolicy(abc.ABC, Generic[ConfigT, StateT]):
     name: ClassVar[str]
     config_cls: ClassVar[type[PolicyConfig]]
-    # True if its forward hooks may drop rows inside the forward: the engine then runs
-    # eagerly (vLLM compiles the forward once, for a row count fixed when it starts).
-    drops_rows_in_forward: ClassVar[bool] = False
     # A sampled proposal's confidence: "sampled_token" (its probability; SDAR's
     # definition) or "max_probability" (the distribution's largest probability, as the
     # ES-dLLM and Ada-DLM papers define it). Greedy proposals agree under both.
@@ -105,9 +102,11 @@ class DecodingPolicy(abc.ABC, Generic[ConfigT, StateT]):
         ``batch.filled``); None: no edit."""
         return None
 
-    def block_ends(self, request: DiffusionRequest[ConfigT, StateT], edited: bool) -> bool:
+    def block_ends(self, request: DiffusionRequest[ConfigT, StateT], edited: bool,
+                   began_unmasked: bool) -> bool:
         """Asked when the request's block has no masked position left after a step
-        (``edited``: the step changed a filled token): whether the block is complete."""
+        (``edited``: the step changed a filled token; ``began_unmasked``: the step started
+        with no masked position): whether the block is complete."""
         return True
 
     def after_step(self, request: DiffusionRequest[ConfigT, StateT],

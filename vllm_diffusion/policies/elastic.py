@@ -40,8 +40,8 @@ from vllm_diffusion.step.request import DiffusionRequest
 
 @dataclasses.dataclass(frozen=True)
 class ElasticConfig(ChunkConfig):
-    engine_only: ClassVar[tuple[str, ...]] = ("latency_profile", "warmup_steps",
-                                              "explore_every")
+    engine_only: ClassVar[tuple[str, ...]] = (*ChunkConfig.engine_only, "latency_profile",
+                                              "warmup_steps", "explore_every")
 
     latency_profile: str | None = option(None, Rule(str, optional=True))
     chunk_reuse: bool = option(True, Rule(bool))  # the paper's prefix caching

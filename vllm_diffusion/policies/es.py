@@ -85,7 +85,7 @@ def default_skip_layers(num_layers: int) -> tuple[int, ...]:
 
 @dataclasses.dataclass(frozen=True)
 class EsConfig(StrategyConfig):
-    engine_only: ClassVar[tuple[str, ...]] = ("skip_layers",)
+    engine_only: ClassVar[tuple[str, ...]] = (*StrategyConfig.engine_only, "skip_layers")
 
     alpha: float = option(0.5, Rule(float, low=0.0, high=1.0))
     skip_ratio: float = option(0.5, Rule(float, low=0.0, high=1.0))  # below 1
@@ -284,7 +284,6 @@ class EsPolicy(StrategyPolicy[EsConfig, EsState]):
 
     name: ClassVar[str] = "es"
     config_cls: ClassVar[type] = EsConfig
-    drops_rows_in_forward: ClassVar[bool] = True
     confidence_rule: ClassVar[str] = "max_probability"
 
     def __init__(self, block_size: int, mask_token_id: int,

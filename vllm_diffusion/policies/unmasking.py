@@ -21,7 +21,7 @@ choice and LLaDA2.1 token editing; what to compute is each policy's own).
 from __future__ import annotations
 
 import dataclasses
-from typing import Generic, TypeVar
+from typing import ClassVar, Generic, TypeVar
 
 import torch
 
@@ -37,6 +37,8 @@ STRATEGIES = ("low_confidence_dynamic", "low_confidence_static", "sequential", "
 class StrategyConfig(PolicyConfig):
     """Options of the policies that unmask by one of ``STRATEGIES``."""
 
+    engine_only: ClassVar[tuple[str, ...]] = ("max_post_steps_limit",)
+
     strategy: str = option("low_confidence_dynamic", Rule(str, choices=STRATEGIES))
     threshold: float = option(0.9, Rule(float, low=0.0, high=1.0))
     # Cap on denoising steps per block; None means one step per block position.
@@ -47,8 +49,16 @@ class StrategyConfig(PolicyConfig):
                                                         optional=True))
     # Steps a block may run with no mask left before it ends anyway (editing only).
     max_post_steps: int = option(16, Rule(int, low=0, high=4096))
+    # Engine-wide: the largest 'max_post_steps' a request may ask for (each post step is
+    # a forward of the block, so the option multiplies a request's work).
+    max_post_steps_limit: int = option(64, Rule(int, low=0, high=4096))
 
     def validate_for_block(self, block_size: int, source: str) -> None:
+        if self.max_post_steps > self.max_post_steps_limit:
+            raise OptionError(
+                f"{source}: option 'max_post_steps' must be at most the engine's "
+                f"'max_post_steps_limit' ({self.max_post_steps_limit}), got "
+                f"{self.max_post_steps}")
         if self.denoising_steps is not None and self.denoising_steps > block_size:
             raise OptionError(
                 f"{source}: option 'denoising_steps' must be at most the block size "
@@ -166,8 +176,18 @@ class StrategyPolicy(DecodingPolicy[StrategyConfigT, StateT],
                 & (batch.confidence > limit[:, None]))
 
     def block_ends(self, request: DiffusionRequest[StrategyConfigT, StateT],
-                   edited: bool) -> bool:
-        return not edited or request.canvas.post_steps >= request.policy_config.max_post_steps
+                   edited: bool, began_unmasked: bool) -> bool:
+        """Without editing, as soon as no mask is left. With editing, as LLaDA2.1's loop,
+        which looks for masks at the start of each step: the step that fills the block's
+        last mask is followed by post steps (steps that begin with no mask), and the block
+        ends after a post step that edits nothing or after ``max_post_steps`` of them
+        (with 0, right after the last mask is filled)."""
+        config = request.policy_config
+        if config.editing_threshold is None:
+            return True
+        if not began_unmasked:
+            return config.max_post_steps == 0
+        return not edited or request.canvas.post_steps >= config.max_post_steps
 
     def choose_commits(self, batch: CommitBatch) -> torch.Tensor:
         configs = [r.policy_config for r in batch.requests]

@@ -25,6 +25,7 @@ class BlockCanvas:
     tokens: torch.Tensor  # [B] int64 (host), mask_token_id where undecided
     steps: int = 0  # denoising steps taken on this block
     post_steps: int = 0  # of them, steps that began with no masked position (editing)
+    edits: int = 0  # filled positions given another token in this block (editing)
     first_step: int = 0  # the request's denoising steps before this block
     # [B] int64 (host): the request's denoising step (0-based) that last changed each
     # position (unmasked or edited it); -1 where it is fixed (prompt tail) or still masked

@@ -58,3 +58,5 @@ class DiffusionStats:
     block_positions_per_layer: list[int] = dataclasses.field(default_factory=list)
     tokens_committed: int = 0  # final tokens emitted
     blocks_completed: int = 0
+    tokens_edited: int = 0  # filled positions given another token (LLaDA2.1 editing)
+    edited_blocks_completed: int = 0  # completed blocks with at least one edit

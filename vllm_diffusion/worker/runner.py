@@ -65,7 +65,7 @@ class StepDecisions:
     num_decoded: list[int]
     token_lists: list[list[int]]  # tokens_after as lists
     no_mask_left: list[bool]
-    edited: list[bool]
+    num_edited: list[int]  # filled positions given a new token, per block
     began_unmasked: list[bool]  # the step started with no masked position
 
 
@@ -181,14 +181,16 @@ class DiffusionRunnerMixin:
         layer_names = [name for group in self.kv_cache_config.kv_cache_groups
                        for name in group.layer_names]
         # Steps without hooks run the model as vLLM built it (compiled unless eager);
-        # steps with hooks run the layers eagerly with the step run.
+        # steps with hooks run the layers between hook points as pieces compiled by the
+        # model (``models/layer_segments.py``), the hooks eagerly between them.
         run = None
         if hooks is not None:
             block_rows = torch.zeros(step.num_rows, dtype=torch.bool)
             for s in step.requests:
                 if s.block_rows is not None:
                     block_rows[s.block_rows] = True
-            run = StepRun(hooks, block_rows, step_rows)
+            run = StepRun(hooks, block_rows, step_rows,
+                          compiled=not self.model_config.enforce_eager)
         with set_forward_context({name: metadata for name in layer_names},
                                  self.vllm_config, num_tokens=len(positions),
                                  slot_mapping={}, skip_compiled=run is not None):
@@ -273,7 +275,7 @@ class DiffusionRunnerMixin:
         decisions = StepDecisions(commits, edits, tokens_after, masked, computed,
                                   commits.sum(dim=1).tolist(), tokens_after.tolist(),
                                   (tokens_after != mask_id).all(dim=1).tolist(),
-                                  edits.any(dim=1).tolist(), (~masked.any(dim=1)).tolist())
+                                  edits.sum(dim=1).tolist(), (~masked.any(dim=1)).tolist())
         sampled: dict[str, list[int]] = {}
         step_maps: dict[str, list[int]] = {}
         for i, (block, state) in enumerate(zip(blocks, states)):
@@ -317,7 +319,8 @@ class DiffusionRunnerMixin:
         canvas.commit(decisions.commits[i] | decisions.edits[i], decisions.tokens_after[i],
                       began_unmasked=decisions.began_unmasked[i])
         block_done = (decisions.no_mask_left[i]
-                      and self.policy.block_ends(request, decisions.edited[i]))
+                      and self.policy.block_ends(request, decisions.num_edited[i] > 0,
+                                                 decisions.began_unmasked[i]))
         self.policy.after_step(request, decisions.masked[i], decisions.computed[i],
                                num_decoded)
         if block_done:
@@ -338,6 +341,9 @@ class DiffusionRunnerMixin:
         stats.block_positions_after_eviction += block.num_computed
         stats.tokens_committed += len(final)
         stats.blocks_completed += int(block_done)
+        stats.tokens_edited += decisions.num_edited[i]
+        canvas.edits += decisions.num_edited[i]
+        stats.edited_blocks_completed += int(block_done and canvas.edits > 0)
         return final
 
     def diffusion_stats_dict(self) -> dict[str, Any]:

@@ -46,7 +46,8 @@ DECODE_RATES = ("across_blocks", "per_block")
 class FocusConfig(StrategyConfig):
     # Options a request may not change: committed KV is shared through the prefix cache,
     # and the layers the forward hooks run at are fixed for the engine.
-    engine_only: ClassVar[tuple[str, ...]] = ("commit", "eviction_layer")
+    engine_only: ClassVar[tuple[str, ...]] = (*StrategyConfig.engine_only, "commit",
+                                              "eviction_layer")
 
     strategy: str = option("threshold", Rule(str, choices=STRATEGIES))
     threshold: float = option(0.8, Rule(float, low=0.0, high=1.0))  # the paper's setting
@@ -123,7 +124,6 @@ class FocusPolicy(StrategyPolicy[FocusConfig, FocusRequestState]):
 
     name: ClassVar[str] = "focus"
     config_cls: ClassVar[type] = FocusConfig
-    drops_rows_in_forward: ClassVar[bool] = True
 
     def __init__(self, block_size: int, mask_token_id: int,
                  engine_config: FocusConfig) -> None:

@@ -1,0 +1,111 @@
+"""Policies with forward hooks, compiled: the layers between their hook points run as
+pieces compiled with a dynamic row dimension (``models/layer_segments.py``), so FOCUS's
+eviction and ES-dLLM's skipping no longer force eager mode. Greedy output of a compiled
+engine equals the policies' plain references token for token on a named grid (blocks 16
+and 32; batches of prompts shorter than a block, one block and several blocks, run as
+batches of 1, 3 and 2 requests so the pieces see many row counts); a policy with hooks at
+other layers compiles the same way; ``--enforce-eager`` is honoured."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import diffusion_llm
+from reference_early_skip import reference_es_generate
+from reference_focus import reference_focus_generate
+from reference_sdar import ReferenceSDAR
+from test_parity import checkpoint_info, make_prompts
+
+from vllm import SamplingParams
+from vllm.config import CompilationMode
+from vllm.inputs import TokensPrompt
+
+from vllm_diffusion.models.layer_segments import _SEGMENTS, piece_boundaries
+from vllm_diffusion.policies.es import default_skip_layers
+from vllm_diffusion.policies.focus import FocusConfig
+from vllm_diffusion.step.hooks import LayerHooks
+from vllm_diffusion_lab.fixtures.tiny_sdar import build_tiny_sdar
+from vllm_diffusion_lab.offline import stats_delta
+
+pytestmark = pytest.mark.engine
+
+# name: (policy, block size, engine options, per-request options)
+GRID = {
+    "focus-b16": ("focus", 16, {}, {"strategy": "threshold", "threshold": 0.7}),
+    "es-b32": ("es", 32, {}, {"strategy": "threshold", "threshold": 0.7}),
+    "es-b16-other-layers": ("es", 16, {"skip_layers": [0, 2]},
+                            {"strategy": "low_confidence_dynamic", "threshold": 0.5}),
+}
+
+
+@pytest.fixture(scope="module")
+def four_layer_checkpoint(tmp_path_factory):
+    return build_tiny_sdar(tmp_path_factory.mktemp("sdar-4-layers"), num_layers=4, seed=3)
+
+
+def reference_tokens(reference, policy, prompt, block_size, mask_id, max_tokens, engine,
+                     options):
+    if policy == "focus":
+        return reference_focus_generate(reference, prompt, block_size=block_size,
+                                        mask_id=mask_id, max_tokens=max_tokens,
+                                        config=FocusConfig(**options))
+    layers = tuple(engine.get("skip_layers") or default_skip_layers(4))
+    return reference_es_generate(reference, prompt, block_size=block_size, mask_id=mask_id,
+                                 max_tokens=max_tokens, skip_layers=layers, alpha=0.5,
+                                 skip_ratio=0.5, **options)
+
+
+@pytest.mark.parametrize("name", GRID)
+def test_compiled_hook_policies_equal_their_references(name, four_layer_checkpoint):
+    policy, block_size, engine, options = GRID[name]
+    checkpoint = four_layer_checkpoint
+    mask_id, stops, vocab_size = checkpoint_info(checkpoint)
+    reference = ReferenceSDAR(checkpoint)
+    prompts = make_prompts(block_size, vocab_size, stops | {mask_id}, seed=80 + block_size)
+    max_tokens = 2 * block_size + 3
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True,
+                            extra_args=options)
+    with diffusion_llm(checkpoint, diffusion_block_size=block_size, enforce_eager=False,
+                       additional_config={"diffusion_policy": policy, **engine}) as llm:
+        config = llm.llm_engine.vllm_config
+        assert not config.model_config.enforce_eager
+        assert config.compilation_config.mode != CompilationMode.NONE
+        before = llm.collective_rpc("diffusion_stats")[0]
+        for batch in (prompts[:1], prompts, prompts[1:]):
+            outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in batch], params,
+                                   use_tqdm=False)
+            for prompt, out in zip(batch, outputs):
+                assert list(out.outputs[0].token_ids) == reference_tokens(
+                    reference, policy, prompt, block_size, mask_id, max_tokens, engine,
+                    options)
+        stats = stats_delta(before, llm.collective_rpc("diffusion_stats")[0])
+        runner = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
+        (segments,) = _SEGMENTS[runner.model.model].values()
+        for _, _, piece in segments.pieces:  # every piece really ran compiled
+            code = piece._torchdynamo_orig_callable.__code__
+            assert torch._dynamo.eval_frame._debug_get_cache_entry_list(code)
+    per_layer = stats["block_positions_per_layer"]
+    assert per_layer[-1] < per_layer[0]  # rows really were dropped inside the forward
+
+
+def test_enforce_eager_is_honoured(four_layer_checkpoint):
+    with diffusion_llm(four_layer_checkpoint, diffusion_block_size=8, enforce_eager=True,
+                       additional_config={"diffusion_policy": "focus"}) as llm:
+        config = llm.llm_engine.vllm_config
+        assert config.model_config.enforce_eager
+        assert config.compilation_config.mode == CompilationMode.NONE
+        out = llm.generate(TokensPrompt(prompt_token_ids=[5, 6, 7]),
+                           SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
+        assert len(out[0].outputs[0].token_ids) == 8
+
+
+@pytest.mark.parametrize("declared,num_layers,want", [
+    (LayerHooks(), 4, [(0, 7)]),
+    (LayerHooks(before_attention=(0, 1)), 12, [(0, 0), (1, 1), (2, 2), (3, 3), (4, 23)]),
+    (LayerHooks(after_output=(2, 3)), 12, [(0, 5), (6, 7), (8, 23)]),
+    (LayerHooks(select_keys=(1,), after_output=(1,)), 4, [(0, 2), (3, 3), (4, 7)]),
+    (LayerHooks(after_output=(3,)), 4, [(0, 7)]),
+])
+def test_pieces_end_at_the_hook_points(declared, num_layers, want):
+    """Unit 2l is layer l's attention inputs, 2l + 1 its attention output and MLP."""
+    assert piece_boundaries(declared, num_layers) == want

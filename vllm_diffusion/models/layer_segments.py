@@ -1,0 +1,112 @@
+"""A forward with hooks in compiled pieces: the layers between a policy's hook points.
+
+A forward is a chain of half layers: unit 2l is layer l's ``attention_inputs`` (norm and
+projections), unit 2l + 1 its ``attention_output`` (attention, norm and MLP). A step's
+hooks run between units (``step_run``): ``before_attention`` and ``select_keys`` of layer
+l after unit 2l (its ``after_attention`` after unit 2l + 1), ``after_output`` of layer l
+after unit 2l + 1. The units between two hook points form a piece, compiled once by
+``torch.compile`` with a dynamic row dimension, so the rows a hook keeps go through the
+later layers compiled, whatever their number. The hooks themselves, which make
+data-dependent choices on the host, run eagerly between the pieces.
+
+vLLM's attention is an opaque custom op on the platforms that compile this way, so a piece
+calls it as the whole-model graph does, and the op reads the step's current rows from the
+forward context. Each piece gets its own copy of the code object that runs it, so
+torch.compile caches its graphs per piece (the recompile limit counts per code object).
+Pieces compile on their first use; with ``--enforce-eager`` they run eagerly.
+"""
+
+from __future__ import annotations
+
+import types
+import weakref
+
+import torch
+import torch.nn as nn
+
+from vllm_diffusion.step.hooks import LayerHooks
+
+
+def piece_boundaries(declared: LayerHooks, num_layers: int) -> list[tuple[int, int]]:
+    """(first unit, last unit) of each piece, in order, for hooks at ``declared`` layers."""
+    cuts = {2 * num_layers - 1}
+    for layer in (*declared.before_attention, *declared.select_keys):
+        cuts |= {2 * layer, 2 * layer + 1}
+    for layer in declared.after_output:
+        cuts.add(2 * layer + 1)
+    pieces, first = [], 0
+    for last in sorted(c for c in cuts if c < 2 * num_layers):
+        pieces.append((first, last))
+        first = last + 1
+    return pieces
+
+
+def _run_units(layers, first, last, positions, hidden, residual, q, k, v):
+    """Units first..last of ``layers``; the state between them is (hidden, residual) after
+    an odd unit and (q, k, v, residual) after an even one."""
+    for unit in range(first, last + 1):
+        layer = layers[unit // 2]
+        if unit % 2 == 0:
+            q, k, v, residual = layer.attention_inputs(positions, hidden, residual)
+        else:
+            hidden, residual = layer.attention_output(q, k, v, residual)
+    return hidden, residual, q, k, v
+
+
+def _piece(layers: list[nn.Module], first: int, last: int, compiled: bool):
+    """Units first..last as one callable (positions, hidden, residual, q, k, v) ->
+    (hidden, residual, q, k, v), compiled with a dynamic row dimension."""
+    code = _run_units.__code__.replace(co_name=f"diffusion_units_{first}_{last}")
+    run_units = types.FunctionType(code, _run_units.__globals__, code.co_name)
+
+    def piece(positions, hidden, residual, q, k, v):
+        return run_units(layers, first, last, positions, hidden, residual, q, k, v)
+
+    piece.__code__ = piece.__code__.replace(co_name=f"diffusion_piece_{first}_{last}")
+    return torch.compile(piece, dynamic=True) if compiled else piece
+
+
+class LayerSegments:
+    """The pieces of a model's forward for one set of hook layers."""
+
+    def __init__(self, layers: list[nn.Module], declared: LayerHooks, compiled: bool) -> None:
+        self.layers = layers
+        self.hooked_attention = {*declared.before_attention, *declared.select_keys}
+        self.pieces = [(first, last, _piece(layers, first, last, compiled))
+                       for first, last in piece_boundaries(declared, len(layers))]
+
+    def run(self, run, positions: torch.Tensor, hidden: torch.Tensor
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The layers with the run's hooks between the pieces; returns (positions, hidden,
+        residual) of the rows that continue."""
+        residual = q = k = v = None
+        for first, last, piece in self.pieces:
+            for unit in range(first + first % 2, last + 1, 2):  # the attention inputs
+                if unit // 2 not in self.hooked_attention:
+                    run.count_layer()  # its block rows: the current ones
+            hidden, residual, q, k, v = piece(positions, hidden, residual, q, k, v)
+            layer = self.layers[last // 2]
+            index = layer.layer_index
+            if last % 2 == 0:
+                q, residual, positions = run.before_attention(
+                    index, layer.attention_module, q, k, residual, positions)
+                continue
+            q = k = v = None
+            run.after_attention(index)
+            if run.wants_output(index):
+                hidden, residual, positions = run.after_output(
+                    index, hidden + residual, hidden, residual, positions)
+        return positions, hidden, residual
+
+
+_SEGMENTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def segments_for(model: nn.Module, layers: list[nn.Module], declared: LayerHooks,
+                 compiled: bool) -> LayerSegments:
+    """The model's pieces for these hook layers (made once per model and hook set)."""
+    by_hooks = _SEGMENTS.setdefault(model, {})
+    key = (declared, compiled)
+    if key not in by_hooks:
+        by_hooks[key] = LayerSegments(layers, declared, compiled)
+    return by_hooks[key]
