@@ -72,3 +72,52 @@ def test_max_probability_confidence_draws_the_same_tokens():
     assert bool((largest >= drawn).all()) and bool((largest > drawn).any())
     greedy = requests[0][0]
     assert torch.equal(largest[:greedy], drawn[:greedy])
+
+
+@pytest.mark.parametrize("counts,max_rows,want", [
+    ([4, 4, 4], 8, [(0, 2), (2, 3)]),
+    ([4, 4, 4], 100, [(0, 3)]),
+    ([32, 3, 5], 8, [(0, 1), (1, 3)]),  # a request larger than a chunk stays whole
+    ([1, 1, 1, 1], 1, [(0, 1), (1, 2), (2, 3), (3, 4)]),
+    ([], 8, []),
+])
+def test_request_chunks_keep_requests_whole(counts, max_rows, want):
+    from vllm_diffusion.worker.proposal import request_chunks
+
+    assert request_chunks(counts, max_rows) == want
+
+
+@pytest.mark.parametrize("max_rows", [1, 5, 9])
+@pytest.mark.parametrize("name", GRID)
+def test_chunked_logits_give_the_same_proposals(name, max_rows):
+    """Logits made and reduced a chunk of requests at a time: the same tokens and
+    confidences (to the last bit of the logits' matmul) as the whole step at once (seeded
+    draws included), and never more than
+    ``max_rows`` rows of logits at once unless one request has more."""
+    from vllm_diffusion.worker.proposal import ProposalPipeline
+
+    requests = GRID[name]
+    counts = [n for n, _, _ in requests]
+    gen = torch.Generator().manual_seed(len(name))
+    hidden = torch.randn(sum(counts), 16, generator=gen)
+    head = torch.randn(64, 16, generator=gen) * 2
+    shapes = []
+
+    def compute_logits(rows):
+        shapes.append(rows.shape[0])
+        return rows @ head.T
+
+    def generators():
+        return [torch.Generator().manual_seed(s) if s is not None else None
+                for _, _, s in requests]
+
+    params = [p for _, p, _ in requests]
+    whole = ProposalPipeline(MASK).propose(compute_logits(hidden), counts, params, generators())
+    shapes.clear()
+    chunked = ProposalPipeline(MASK, max_rows=max_rows).propose_from_hidden(
+        compute_logits, hidden, counts, params, generators())
+    assert torch.equal(chunked[0], whole[0])
+    # a matmul over fewer rows may round differently in the last bit
+    torch.testing.assert_close(chunked[1], whole[1], rtol=1e-6, atol=1e-7)
+    assert sum(shapes) == sum(counts)
+    assert max(shapes) <= max(max_rows, max(counts))

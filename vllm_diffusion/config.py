@@ -2,7 +2,9 @@
 
 Engine-wide options come from ``--additional-config`` (``LLM(additional_config=...)``) or
 ``--diffusion-policy``; keys are ``diffusion_policy``, ``diffusion_block_size``,
-``mask_token_id`` and the chosen policy's options (``threshold``, ``strategy``, ...).
+``mask_token_id``, ``diffusion_logits_memory_mib`` (the memory a step's logits may take at
+once: they are computed and reduced to proposals in chunks of requests within it) and
+the chosen policy's options (``threshold``, ``strategy``, ...).
 Per-request overrides of the policy's options come from ``SamplingParams.extra_args``
 (OpenAI ``vllm_xargs``).
 """
@@ -17,7 +19,9 @@ from vllm_diffusion.options import OptionError, Rule, option_names, parse_option
 from vllm_diffusion.policies import POLICIES
 
 DEFAULT_BLOCK_SIZE = 4  # SDAR's default
-ENGINE_KEYS = ("diffusion_policy", "diffusion_block_size", "mask_token_id")
+DEFAULT_LOGITS_MEMORY_MIB = 256
+ENGINE_KEYS = ("diffusion_policy", "diffusion_block_size", "mask_token_id",
+               "diffusion_logits_memory_mib")
 # Per-request keys that are not policy options; ``diffusion_policy`` is checked separately.
 REQUEST_KEYS = ("diffusion_policy", "return_step_map")
 _REQUEST_RULES = {"return_step_map": Rule(bool)}
@@ -32,6 +36,7 @@ class DiffusionEngineConfig:
     block_size: int
     mask_token_id: int
     policy_config: Any  # the policy's config dataclass, engine defaults
+    logits_memory_mib: int = DEFAULT_LOGITS_MEMORY_MIB
 
     @property
     def policy(self) -> type:
@@ -46,6 +51,7 @@ class DiffusionEngineConfig:
             "diffusion_policy": self.policy_name,
             "diffusion_block_size": self.block_size,
             "mask_token_id": self.mask_token_id,
+            "diffusion_logits_memory_mib": self.logits_memory_mib,
             **dataclasses.asdict(self.policy_config),
         }
 
@@ -122,6 +128,9 @@ def parse_engine_options(values: Mapping[str, Any], *, config_block_size: int | 
         )
     mask_token_id = Rule(int, low=0, high=vocab_size - 1).check(
         "mask_token_id", mask_token_id, source)
+    logits_memory_mib = Rule(int, low=1, high=1 << 20).check(
+        "diffusion_logits_memory_mib",
+        values.pop("diffusion_logits_memory_mib", DEFAULT_LOGITS_MEMORY_MIB), source)
     valid = set(ENGINE_KEYS) | set(option_names(policy.config_cls))
     unknown = sorted(set(values) - valid, key=repr)
     if unknown:
@@ -131,7 +140,8 @@ def parse_engine_options(values: Mapping[str, Any], *, config_block_size: int | 
         )
     policy_config = parse_options(policy.config_cls, values, source=source)
     policy_config.validate_for_block(block_size, source)
-    return DiffusionEngineConfig(policy_name, block_size, mask_token_id, policy_config)
+    return DiffusionEngineConfig(policy_name, block_size, mask_token_id, policy_config,
+                                 logits_memory_mib)
 
 
 def engine_config_from_vllm(vllm_config: Any) -> DiffusionEngineConfig:

@@ -62,15 +62,39 @@ STAGES = (*LOGIT_STAGES, "mask_token", "temperature", "top_k_top_p", "draw", "co
 
 
 CONFIDENCE_RULES = ("sampled_token", "max_probability")
+# fp32 [rows, V] tensors a chunk's proposals hold at once at most: its logits, their
+# scaled and filtered copies and the probabilities (the sampled path's sort holds two).
+LOGIT_COPIES = 4
+
+
+def chunk_rows(memory_mib: int, vocab_size: int) -> int:
+    """Rows of logits a chunk may hold within ``memory_mib`` MiB (at least one)."""
+    return max(1, memory_mib * 2**20 // (vocab_size * 4 * LOGIT_COPIES))
+
+
+def request_chunks(counts: list[int], max_rows: int) -> list[tuple[int, int]]:
+    """Consecutive request ranges [first, last) with at most ``max_rows`` rows each, or one
+    request where a single request has more (a request's rows are never split)."""
+    chunks, first, rows = [], 0, 0
+    for index, count in enumerate(counts):
+        if index > first and rows + count > max_rows:
+            chunks.append((first, index))
+            first, rows = index, 0
+        rows += count
+    if first < len(counts):
+        chunks.append((first, len(counts)))
+    return chunks
 
 
 class ProposalPipeline:
-    def __init__(self, mask_token_id: int, confidence_rule: str = "sampled_token") -> None:
+    def __init__(self, mask_token_id: int, confidence_rule: str = "sampled_token",
+                 max_rows: int | None = None) -> None:
         if confidence_rule not in CONFIDENCE_RULES:
             raise ValueError(f"confidence rule {confidence_rule!r}: expected one of "
                              f"{CONFIDENCE_RULES}")
         self.mask_token_id = mask_token_id
         self.max_probability = confidence_rule == "max_probability"
+        self.max_rows = max_rows  # rows of logits at once (None: the whole step)
         self.logit_stages = [stage for stage in LOGIT_STAGES.values() if stage is not None]
 
     def propose(self, logits: torch.Tensor, counts: list[int], params: list,
@@ -82,6 +106,27 @@ class ProposalPipeline:
         batch.logits[:, self.mask_token_id] = float("-inf")
         return draw_for_requests(batch.logits, counts, params, generators,
                                  max_probability=self.max_probability)
+
+    def propose_from_hidden(self, compute_logits: Callable[[torch.Tensor], torch.Tensor],
+                            hidden: torch.Tensor, counts: list[int], params: list,
+                            generators: list) -> tuple[torch.Tensor, torch.Tensor]:
+        """``propose`` of ``compute_logits(hidden)`` ([n, H] -> [n, V]), computed a chunk of
+        whole requests at a time so that at most ``max_rows`` rows of logits exist at once
+        (bounded memory whatever the batch and block). Each request's draws use its own
+        generator (or the global one) in request order, as in one call, so the proposals
+        are the same as without chunks."""
+        if self.max_rows is None or sum(counts) <= self.max_rows:
+            return self.propose(compute_logits(hidden), counts, params, generators)
+        tokens, confidence, row = [], [], 0
+        for first, last in request_chunks(counts, self.max_rows):
+            rows = sum(counts[first:last])
+            chunk_tokens, chunk_confidence = self.propose(
+                compute_logits(hidden[row:row + rows]), counts[first:last],
+                params[first:last], generators[first:last])
+            tokens.append(chunk_tokens)
+            confidence.append(chunk_confidence)
+            row += rows
+        return torch.cat(tokens), torch.cat(confidence)
 
 
 def propose_for_requests(logits: torch.Tensor, mask_token_id: int, counts: list[int],

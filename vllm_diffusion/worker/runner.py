@@ -29,7 +29,7 @@ from vllm_diffusion.step.request import DiffusionRequest
 from vllm_diffusion.step.rows import StepRows
 from vllm_diffusion.worker.geometry import BlockGeometry
 from vllm_diffusion.worker.outputs import DiffusionRunnerOutput, DiffusionStats, empty_output
-from vllm_diffusion.worker.proposal import ProposalPipeline
+from vllm_diffusion.worker.proposal import ProposalPipeline, chunk_rows
 from vllm_diffusion.worker.step_plan import (
     KnownTokens,
     RequestRows,
@@ -79,11 +79,40 @@ class DiffusionRunnerMixin:
         self.policy = self.diffusion.make_policy()
         self.policy.bind_model(self.vllm_config.model_config.hf_config,
                                bool(self.cache_config.enable_prefix_caching))
-        self.proposals = ProposalPipeline(self.diffusion.mask_token_id,
-                                          self.policy.confidence_rule)
+        self.proposals = ProposalPipeline(
+            self.diffusion.mask_token_id, self.policy.confidence_rule,
+            chunk_rows(self.diffusion.logits_memory_mib,
+                       self.vllm_config.model_config.get_vocab_size()))
         self.diffusion_requests: dict[str, DiffusionRequest] = {}
         self.num_layers = self.vllm_config.model_config.hf_config.num_hidden_layers
         self.diffusion_stats = DiffusionStats()
+
+    def worst_logits_chunk(self) -> list[int]:
+        """Rows per request of the largest chunk of logits a step can make at once: whole
+        blocks of ``max_num_seqs`` requests, as many as the logits budget holds (at least
+        one block)."""
+        block = self.diffusion.block_size
+        requests = self.scheduler_config.max_num_seqs
+        if self.proposals.max_rows is not None:
+            requests = min(requests, max(1, self.proposals.max_rows // block))
+        return [block] * requests
+
+    def _dummy_sampler_run(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """vLLM's profiling run ends with its sampler on one row per request; a diffusion
+        step makes logits for every computed block position instead, a chunk of requests
+        at a time. The largest chunk goes through the proposal pipeline's sampled path
+        here, so that the peak memory vLLM measures at start-up (and, on CUDA, keeps free
+        of KV cache) covers it."""
+        from vllm import SamplingParams
+
+        counts = self.worst_logits_chunk()
+        hidden = torch.rand(sum(counts), hidden_states.shape[-1], dtype=hidden_states.dtype,
+                            device=hidden_states.device)
+        params = SamplingParams(temperature=0.5, top_p=0.9)
+        tokens, _ = self.proposals.propose_from_hidden(
+            self.model.compute_logits, hidden, counts, [params] * len(counts),
+            [None] * len(counts))
+        return tokens
 
     def execute_model(self, scheduler_output: Any, intermediate_tensors: Any = None):
         self._update_states(scheduler_output)
@@ -240,10 +269,11 @@ class DiffusionRunnerMixin:
         if not blocks:
             return {}, {}
         block_size, mask_id = self.diffusion.block_size, self.diffusion.mask_token_id
-        logits = self.model.compute_logits(hidden_states[hidden_index.to(self.device)])  # [n, V]
         states = [self.requests[b.rows.req_id] for b in blocks]
-        tokens, confidence = self.proposals.propose(
-            logits, [b.num_computed for b in blocks], [s.sampling_params for s in states],
+        # The logits ([n, V]) are made and reduced a chunk of requests at a time.
+        tokens, confidence = self.proposals.propose_from_hidden(
+            self.model.compute_logits, hidden_states[hidden_index.to(self.device)],
+            [b.num_computed for b in blocks], [s.sampling_params for s in states],
             [s.generator for s in states])
         # The step's one device-to-host copy: tokens and confidences together ([2, n]
         # float64 holds every token id exactly). Scattered into [R, B] on the host, -inf /

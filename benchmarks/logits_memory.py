@@ -1,0 +1,99 @@
+"""Peak resident memory of a step's logits: how much it grows from batch 1 to batch 64.
+
+A diffusion step makes logits for every computed block position, batch x block x
+vocabulary of them. One in-process eager engine per configuration, each in a fresh
+process (``ru_maxrss`` only grows): a tiny random SDAR with a large vocabulary (LLaDA2's
+157,184 by default), block 32, 24-token prompts, 64 output tokens each (``ignore_eos``,
+no detokenisation: ids past the tokenizer have no text), a batch-1 run then a batch-64
+run; the growth of the peak between the two is what the batch adds. Configurations: the
+engine's default logits budget (``diffusion_logits_memory_mib``) and one large enough that
+the whole step's logits exist at once (what every step did before chunking). Also checks
+that both produce the same tokens. JSON to ``--out``.
+
+    python benchmarks/logits_memory.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import resource
+import subprocess
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+MODEL = ROOT / "results/large-vocab-sdar"
+UNBOUNDED_MIB = 1 << 20
+
+
+def peak_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def measure(model: pathlib.Path, budget: int | None, args) -> dict:
+    import random
+
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from vllm_diffusion_lab.offline import diffusion_llm
+
+    engine = {"diffusion_policy": "standard"}
+    if budget is not None:
+        engine["diffusion_logits_memory_mib"] = budget
+    rng = random.Random(0)
+    prompts = [TokensPrompt(prompt_token_ids=[rng.randrange(16, 250) for _ in range(24)])
+               for _ in range(max(args.batch_sizes))]
+    params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True,
+                            detokenize=False)
+    result = {"budget_mib": budget, "peaks_mib": {}, "tokens": {}}
+    with diffusion_llm(model, diffusion_block_size=args.block_size, max_model_len=256,
+                       max_num_seqs=max(args.batch_sizes), additional_config=engine) as llm:
+        for batch in args.batch_sizes:
+            outputs = llm.generate(prompts[:batch], params, use_tqdm=False)
+            result["peaks_mib"][batch] = peak_mib()
+            result["tokens"][batch] = [list(o.outputs[0].token_ids) for o in outputs]
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--vocab", type=int, default=157_184)
+    parser.add_argument("--block-size", type=int, default=32)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 64])
+    parser.add_argument("--one", default=None, help=argparse.SUPPRESS)  # child: budget
+    parser.add_argument("--out", type=pathlib.Path, default=ROOT / "results/logits_memory.json")
+    args = parser.parse_args()
+    if args.one is not None:  # a child process: one configuration
+        budget = None if args.one == "default" else int(args.one)
+        print(json.dumps(measure(MODEL, budget, args)))
+        return
+    from vllm_diffusion_lab.fixtures.tiny_sdar import build_tiny_sdar
+
+    build_tiny_sdar(MODEL, block_size=args.block_size, model_vocab_size=args.vocab)
+    runs = {}
+    for name in ("default", str(UNBOUNDED_MIB)):
+        child = subprocess.run(
+            [sys.executable, __file__, "--one", name, "--block-size", str(args.block_size),
+             "--max-tokens", str(args.max_tokens), "--batch-sizes",
+             *map(str, args.batch_sizes)], capture_output=True, text=True, check=True)
+        runs[name] = json.loads(child.stdout.strip().splitlines()[-1])
+    first, last = str(min(args.batch_sizes)), str(max(args.batch_sizes))
+    report = {"vocab": args.vocab, "block_size": args.block_size, "configs": {}}
+    for name, run in runs.items():
+        peaks = run["peaks_mib"]
+        report["configs"][name] = {"peaks_mib": peaks, "growth_mib": peaks[last] - peaks[first]}
+        label = "default budget" if name == "default" else "whole step at once"
+        print(f"{label}: peak after batch {first} {peaks[first]:.0f} MiB, after batch "
+              f"{last} {peaks[last]:.0f} MiB, growth {peaks[last] - peaks[first]:.0f} MiB")
+    same = runs["default"]["tokens"] == runs[str(UNBOUNDED_MIB)]["tokens"]
+    report["same_tokens"] = same
+    print("same tokens with and without chunks:", same)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
