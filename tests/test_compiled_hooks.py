@@ -109,3 +109,16 @@ def test_enforce_eager_is_honoured(four_layer_checkpoint):
 def test_pieces_end_at_the_hook_points(declared, num_layers, want):
     """Unit 2l is layer l's attention inputs, 2l + 1 its attention output and MLP."""
     assert piece_boundaries(declared, num_layers) == want
+
+
+def test_a_hook_at_every_layer_runs_eagerly():
+    """With a hook at every layer no piece spans a layer: nothing is compiled."""
+    from vllm_diffusion.models.layer_segments import LayerSegments
+
+    every = LayerSegments([torch.nn.Identity()] * 4, LayerHooks(select_keys=(0, 1, 2, 3)),
+                          compiled=True)
+    assert not every.compiled
+    assert all(not hasattr(p, "_torchdynamo_orig_callable") for _, _, p in every.pieces)
+    some = LayerSegments([torch.nn.Identity()] * 4, LayerHooks(after_output=(1,)),
+                         compiled=True)
+    assert some.compiled

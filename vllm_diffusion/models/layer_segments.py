@@ -13,7 +13,10 @@ vLLM's attention is an opaque custom op on the platforms that compile this way, 
 calls it as the whole-model graph does, and the op reads the step's current rows from the
 forward context. Each piece gets its own copy of the code object that runs it, so
 torch.compile caches its graphs per piece (the recompile limit counts per code object).
-Pieces compile on their first use; with ``--enforce-eager`` they run eagerly.
+Pieces compile on their first use; with ``--enforce-eager`` they run eagerly, and so do
+the pieces of a hook set with a hook at every layer (``sparse_prefix``'s key selection:
+no piece spans a whole layer, so compiling its 2L half layers cost 8 s at the first
+sparse step and saved nothing, measured on the default model).
 """
 
 from __future__ import annotations
@@ -72,8 +75,10 @@ class LayerSegments:
     def __init__(self, layers: list[nn.Module], declared: LayerHooks, compiled: bool) -> None:
         self.layers = layers
         self.hooked_attention = {*declared.before_attention, *declared.select_keys}
-        self.pieces = [(first, last, _piece(layers, first, last, compiled))
-                       for first, last in piece_boundaries(declared, len(layers))]
+        boundaries = piece_boundaries(declared, len(layers))
+        self.compiled = compiled and any(last > first for first, last in boundaries)
+        self.pieces = [(first, last, _piece(layers, first, last, self.compiled))
+                       for first, last in boundaries]
 
     def run(self, run, positions: torch.Tensor, hidden: torch.Tensor
             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
