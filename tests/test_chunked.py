@@ -132,3 +132,38 @@ def test_chunk_options_are_validated(dense_checkpoint):
         with pytest.raises(VLLMValidationError, match="unknown option.*'chunk_size'.*policy 'focus'"):
             llm.generate("hello", SamplingParams(max_tokens=2, extra_args={"chunk_size": 4}),
                          use_tqdm=False)
+
+
+def test_a_shrinking_window_never_caches_a_position_it_left_out():
+    """Chunk reuse with a chunk that changes between steps (as ``elastic`` chooses it):
+    block 8, chunk 8 -> 2 -> 8. Positions 4-6 are decoded by the first step (their KV made
+    from the mask token); the second step's window covers positions 0-1 only, so 4 and 5,
+    though they and their right neighbours are decoded, must stay uncached until a step
+    computes them with their tokens (the third), and only then be reused."""
+    import torch
+
+    from vllm_diffusion.policies.chunk_window import ChunkWindow
+    from vllm_diffusion.step.request import BlockCanvas
+
+    mask = 99
+    window = ChunkWindow(8)
+    canvas = BlockCanvas(0, torch.full((8,), mask))
+
+    def step(chunk, commit):
+        plan = window.plan(canvas, mask, chunk, reuse=True)
+        computed = plan.compute if plan.compute is not None else torch.ones(8, dtype=torch.bool)
+        masked_before = canvas.masked(mask)
+        positions = torch.zeros(8, dtype=torch.bool)
+        positions[commit] = True
+        assert bool((positions <= computed).all())  # only computed positions commit
+        canvas.commit(positions, torch.where(positions, torch.arange(8), canvas.tokens))
+        window.after_step(masked_before, computed, reuse=True)
+        return computed
+
+    assert bool(step(None, [4, 5, 6]).all())
+    narrow = step(2, [0])
+    assert narrow.tolist() == [True, True] + [False] * 6
+    assert bool(window.cache.uncached[4]) and bool(window.cache.uncached[5])  # not reused
+    wide = step(None, [1])
+    assert bool(wide[4]) and bool(wide[5])  # recomputed with their tokens
+    assert not bool(window.cache.uncached[4]) and not bool(window.cache.uncached[5])

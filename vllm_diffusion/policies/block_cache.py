@@ -38,9 +38,13 @@ class IntraBlockCache:
         return self.uncached.clone()
 
     def update(self, masked_before_step: torch.Tensor,
-               masked_after_step: torch.Tensor | None = None) -> None:
+               masked_after_step: torch.Tensor | None = None,
+               computed: torch.Tensor | None = None) -> None:
         """After a step, given which positions were masked before its unmasking (and,
-        for ``immediate``, after it)."""
+        for ``immediate``, after it). ``computed`` ([B] bool, the positions this step
+        computed through every layer), where a step may leave out uncached positions (a
+        chunk window that shrinks): only a computed position can be cached, so none
+        keeps KV made from its mask token or before its right neighbour was decoded."""
         self.warm = True
         if self.rule == "immediate":
             self.uncached &= masked_after_step
@@ -51,4 +55,7 @@ class IntraBlockCache:
         decoded = ~masked_before_step
         right_decoded = torch.ones_like(decoded)  # the last position has no right neighbour
         right_decoded[:-1] = decoded[1:]
-        self.uncached &= ~(decoded & right_decoded)
+        settled = decoded & right_decoded
+        if computed is not None:
+            settled &= computed
+        self.uncached &= ~settled

@@ -78,6 +78,9 @@ class ChunkWindow:
             compute &= torch.arange(self.block_size) < window_end
         return BlockStepPlan(compute, window_end)
 
-    def after_step(self, masked_before: torch.Tensor, reuse: bool) -> None:
+    def after_step(self, masked_before: torch.Tensor, computed: torch.Tensor,
+                   reuse: bool) -> None:
+        """masked_before, computed: [B] bool (the step's positions that went through every
+        layer: a window that shrank this step left some decoded positions out)."""
         if reuse:
-            self.cache.update(masked_before)
+            self.cache.update(masked_before, computed=computed)

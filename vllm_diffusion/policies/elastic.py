@@ -139,6 +139,6 @@ class ElasticPolicy(StrategyPolicy[ElasticConfig, ChunkWindow]):
     def after_step(self, request: ElasticRequest, masked_before: torch.Tensor,
                    computed: torch.Tensor, num_decoded: int) -> None:
         state = request.policy_state
-        state.after_step(masked_before, request.policy_config.chunk_reuse)
+        state.after_step(masked_before, computed, request.policy_config.chunk_reuse)
         self.statistics.observe(state.chunk or self.block_size, num_decoded,
                                 int(computed.sum()))

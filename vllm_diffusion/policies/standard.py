@@ -42,4 +42,5 @@ class StandardPolicy(StrategyPolicy[StandardConfig, ChunkWindow]):
     def after_step(self, request: DiffusionRequest[StandardConfig, ChunkWindow],
                    masked_before: torch.Tensor, computed: torch.Tensor,
                    num_decoded: int) -> None:
-        request.policy_state.after_step(masked_before, request.policy_config.chunk_reuse)
+        request.policy_state.after_step(masked_before, computed,
+                                        request.policy_config.chunk_reuse)
