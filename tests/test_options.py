@@ -55,3 +55,39 @@ def test_post_steps_are_bounded_by_the_engine_limit():
         engine.request_policy_config({"max_post_steps_limit": 500})
     roomy = DiffusionEngineConfig("standard", 8, 0, StandardConfig(max_post_steps_limit=200))
     assert roomy.request_policy_config({"max_post_steps": 150}).max_post_steps == 150
+
+
+def test_errors_echo_at_most_a_short_cut_of_the_clients_value():
+    """A megabyte-long value (an option's value, an unknown option's name, a refused
+    sampling parameter) comes back cut, with its length."""
+    from vllm.exceptions import VLLMValidationError
+
+    from vllm_diffusion.config import DiffusionEngineConfig
+    from vllm_diffusion.policies.standard import StandardConfig
+    from vllm_diffusion.requests import validate_sampling_params
+
+    huge = "x" * 5_000_000
+    engine = DiffusionEngineConfig("standard", 8, 0, StandardConfig())
+    for extra in ({"strategy": huge}, {huge: 1}, {"diffusion_policy": huge}):
+        with pytest.raises(OptionError) as err:
+            engine.request_policy_config(extra)
+        assert len(str(err.value)) < 1000 and "5000002 characters" in str(err.value)
+    from vllm import SamplingParams
+
+    params = SamplingParams(logit_bias={i: 1.0 for i in range(100_000)})
+    with pytest.raises(VLLMValidationError) as err:
+        validate_sampling_params(params, engine)
+    assert len(str(err.value)) < 1000 and "logit_bias" in str(err.value)
+
+
+def test_kv_transfer_params_is_refused_by_name():
+    """The OpenAI layer puts a request's top-level kv_transfer_params into extra_args: it
+    is refused naming it (not as an unknown option); an empty one asks for nothing."""
+    from vllm_diffusion.config import DiffusionEngineConfig
+    from vllm_diffusion.policies.standard import StandardConfig
+
+    engine = DiffusionEngineConfig("standard", 8, 0, StandardConfig())
+    with pytest.raises(OptionError, match=r"^kv_transfer_params: KV-cache transfer between "
+                                          r"engines .* is not supported"):
+        engine.request_policy_config({"kv_transfer_params": {"do_remote_decode": True}})
+    assert engine.request_policy_config({"kv_transfer_params": {}}) == engine.policy_config

@@ -15,7 +15,7 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-from vllm_diffusion.options import OptionError, Rule, option_names, parse_options
+from vllm_diffusion.options import OptionError, Rule, option_names, parse_options, shown
 from vllm_diffusion.policies import POLICIES
 
 DEFAULT_BLOCK_SIZE = 4  # SDAR's default
@@ -64,6 +64,13 @@ class DiffusionEngineConfig:
             raise OptionError(f"{source} must be a mapping of option names to values, "
                               f"got {type(extra_args).__name__}")
         overrides = dict(extra_args)
+        if overrides.get("kv_transfer_params"):  # set by a request's top-level field
+            raise OptionError(
+                "kv_transfer_params: KV-cache transfer between engines (disaggregated "
+                "prefill and decode) is not supported by the vllm-diffusion engine; remove "
+                "it (the engine returns its step map in the response's kv_transfer_params "
+                "when asked with return_step_map)")
+        overrides.pop("kv_transfer_params", None)  # an empty one asks for nothing
         for name, rule in _REQUEST_RULES.items():
             if name in overrides:
                 rule.check(name, overrides.pop(name), source)
@@ -72,13 +79,13 @@ class DiffusionEngineConfig:
             raise OptionError(
                 f"{source}: option 'diffusion_policy' must be the server's policy "
                 f"{self.policy_name!r} (per-request policy switching is not supported), "
-                f"got {requested!r}"
+                f"got {shown(requested)}"
             )
         valid = set(option_names(self.policy.config_cls)) | set(REQUEST_KEYS)
         unknown = sorted(set(overrides) - valid, key=repr)
         if unknown:
             raise OptionError(
-                f"{source}: unknown option(s) {', '.join(map(repr, unknown))}; valid "
+                f"{source}: unknown option(s) {', '.join(map(shown, unknown))}; valid "
                 f"options for policy {self.policy_name!r} are {', '.join(sorted(valid))}"
             )
         config = parse_options(self.policy.config_cls, overrides, source=source,
@@ -110,7 +117,7 @@ def parse_engine_options(values: Mapping[str, Any], *, config_block_size: int | 
     policy_name = values.pop("diffusion_policy", "standard")
     if policy_name not in POLICIES:
         raise OptionError(
-            f"{source}: unknown diffusion policy {policy_name!r}; "
+            f"{source}: unknown diffusion policy {shown(policy_name)}; "
             f"valid policies are {', '.join(sorted(POLICIES))}"
         )
     policy = POLICIES[policy_name]
@@ -135,7 +142,7 @@ def parse_engine_options(values: Mapping[str, Any], *, config_block_size: int | 
     unknown = sorted(set(values) - valid, key=repr)
     if unknown:
         raise OptionError(
-            f"{source}: unknown option(s) {', '.join(map(repr, unknown))}; valid options "
+            f"{source}: unknown option(s) {', '.join(map(shown, unknown))}; valid options "
             f"for policy {policy_name!r} are {', '.join(sorted(valid))}"
         )
     policy_config = parse_options(policy.config_cls, values, source=source)

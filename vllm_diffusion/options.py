@@ -19,6 +19,18 @@ class OptionError(ValueError):
     """An option is unknown, of the wrong type, or out of range."""
 
 
+ECHO_LIMIT = 80  # characters of a client's value repeated in an error message
+
+
+def shown(value: Any) -> str:
+    """``repr(value)`` for an error message, cut to ``ECHO_LIMIT`` characters (a client's
+    value can be megabytes long)."""
+    text = repr(value)
+    if len(text) <= ECHO_LIMIT:
+        return text
+    return f"{text[:ECHO_LIMIT]}... ({len(text)} characters)"
+
+
 @dataclasses.dataclass(frozen=True)
 class Rule:
     # int, float, str or bool; tuple: a list of ints (each within low..high), given as a
@@ -67,23 +79,23 @@ class Rule:
                 pass
         if not isinstance(value, self.kind) or (self.kind is int and isinstance(value, bool)):
             raise OptionError(
-                f"{source}: option '{name}' must be {self.describe()}, got {value!r}"
+                f"{source}: option '{name}' must be {self.describe()}, got {shown(value)}"
             )
         # NaN compares false with every bound, so range checks alone would admit it.
         if self.kind is float and not math.isfinite(value):
             raise OptionError(
-                f"{source}: option '{name}' must be a finite {self.describe()}, got {value!r}"
+                f"{source}: option '{name}' must be a finite {self.describe()}, got {shown(value)}"
             )
         if self.choices is not None and value not in self.choices:
             raise OptionError(
-                f"{source}: option '{name}' must be {self.describe()}, got {value!r}"
+                f"{source}: option '{name}' must be {self.describe()}, got {shown(value)}"
             )
         too_low = self.low is not None and (
             value < self.low if self.low_inclusive else value <= self.low
         )
         if too_low or (self.high is not None and value > self.high):
             raise OptionError(
-                f"{source}: option '{name}' must be {self.describe()}, got {value!r}"
+                f"{source}: option '{name}' must be {self.describe()}, got {shown(value)}"
             )
         return value
 
@@ -92,7 +104,7 @@ class Rule:
         items = value.split(",") if isinstance(value, str) else value
         if not isinstance(items, (list, tuple)) or not items:
             raise OptionError(f"{source}: option '{name}' must be {self.describe()}, "
-                              f"got {value!r}")
+                              f"got {shown(value)}")
         item_rule = dataclasses.replace(self, kind=int, optional=False)
         checked = [item_rule.check(name, item.strip() if isinstance(item, str) else item,
                                    source) for item in items]

@@ -13,7 +13,7 @@ from typing import Any
 from vllm.exceptions import VLLMValidationError
 
 from vllm_diffusion.config import DiffusionEngineConfig, wants_step_map
-from vllm_diffusion.options import OptionError
+from vllm_diffusion.options import OptionError, shown
 
 _EPS = 1e-5
 # torch.Generator.manual_seed accepts exactly this range; a seed outside it would raise
@@ -27,8 +27,12 @@ _UNSUPPORTED: tuple[tuple[str, Any, str], ...] = (
     ("repetition_penalty", lambda v: abs(v - 1.0) > _EPS, "penalties"),
     ("min_p", lambda v: v > _EPS, "min_p sampling"),
     ("min_tokens", lambda v: v > 0, "min_tokens"),
-    ("logprobs", lambda v: v is not None, "sample logprobs"),
-    ("prompt_logprobs", lambda v: v is not None, "prompt logprobs"),
+    ("logprobs", lambda v: v is not None,
+     "sample logprobs; vLLM also asks for them for use_beam_search and the scoring "
+     "endpoints"),
+    ("prompt_logprobs", lambda v: v is not None,
+     "prompt logprobs; vLLM also asks for them for a chat request with echo and "
+     "logprobs"),
     ("logprob_token_ids", lambda v: v is not None, "logprob_token_ids"),
     ("structured_outputs", lambda v: v is not None, "guided/structured decoding"),
     ("logit_bias", lambda v: bool(v), "logit_bias"),
@@ -45,8 +49,8 @@ def _check_numbers(params: Any) -> None:
     for name in params.__struct_fields__:
         value = getattr(params, name, None)
         if isinstance(value, float) and not math.isfinite(value):
-            raise VLLMValidationError(f"{name} must be a finite number, got {value!r}",
-                                      parameter=name, value=value)
+            raise VLLMValidationError(f"{name} must be a finite number, got {shown(value)}",
+                                      parameter=name, value=shown(value))
     seed = params.seed
     if seed is not None and not _SEED_RANGE[0] <= seed <= _SEED_RANGE[1]:
         raise VLLMValidationError(
@@ -60,9 +64,9 @@ def validate_sampling_params(params: Any, config: DiffusionEngineConfig) -> None
         value = getattr(params, name, None)
         if value is not None and in_use(value):
             raise VLLMValidationError(
-                f"{name}={value!r} is not supported by block-diffusion decoding "
+                f"{name}={shown(value)} is not supported by block-diffusion decoding "
                 f"({what} cannot be honoured by the vllm-diffusion engine); remove it",
-                parameter=name, value=value,
+                parameter=name, value=shown(value),
             )
     try:
         config.request_policy_config(params.extra_args)
