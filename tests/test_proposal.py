@@ -23,3 +23,31 @@ def test_stages_follow_the_sampler_order():
     assert proposal.STAGES == (
         "allowed_token_ids", "bad_words", "min_tokens", "logit_bias", "penalties", "grammar",
         "mask_token", "temperature", "top_k_top_p", "draw", "commit_choice")
+
+
+def test_allowed_token_ids_and_logit_bias_apply_to_every_row_of_their_request():
+    """Per-position logit stages: a request's allowed_token_ids bar every other token at
+    each of its rows, its logit_bias shifts those rows' logits; other requests' rows are
+    untouched."""
+    import types
+
+    import torch
+
+    logits = torch.randn(7, 16, generator=torch.Generator().manual_seed(0))
+    params = [types.SimpleNamespace(allowed_token_ids=[2, 5], logit_bias=None),
+              types.SimpleNamespace(allowed_token_ids=None, logit_bias={3: 50.0, 4: -1.5}),
+              types.SimpleNamespace(allowed_token_ids=None, logit_bias=None)]
+    batch = proposal.ProposalBatch(logits.clone(), [3, 2, 2], params, [None] * 3)
+    proposal.allowed_token_ids(batch)
+    proposal.logit_bias(batch)
+    first, second, third = batch.logits[:3], batch.logits[3:5], batch.logits[5:]
+    assert torch.isinf(first).sum() == 3 * 14
+    assert torch.equal(first[:, [2, 5]], logits[:3, [2, 5]])
+    assert torch.allclose(second[:, 3], logits[3:5, 3] + 50.0)
+    assert torch.allclose(second[:, 4], logits[3:5, 4] - 1.5)
+    assert torch.equal(second[:, :3], logits[3:5, :3]) and torch.equal(third, logits[5:])
+    tokens, _ = proposal.ProposalPipeline(mask_token_id=0).propose(
+        logits.clone(), [3, 2, 2], [types.SimpleNamespace(temperature=0.0, top_k=0, top_p=1.0,
+                                                          **vars(p)) for p in params],
+        [None] * 3)
+    assert set(tokens[:3].tolist()) <= {2, 5} and tokens[3:5].tolist() == [3, 3]

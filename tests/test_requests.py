@@ -49,7 +49,6 @@ def test_empty_and_too_long_prompts_are_rejected(llm):
     ({"repetition_penalty": 1.2}, "repetition_penalty"),
     ({"logprobs": 2}, "logprobs"),
     ({"min_p": 0.1}, "min_p"),
-    ({"logit_bias": {5: 1.0}}, "logit_bias"),
     ({"structured_outputs": StructuredOutputsParams(regex="a+")}, "structured_outputs"),
 ])
 def test_unsupported_sampling_parameters_are_rejected(llm, params, name):
@@ -112,3 +111,25 @@ def test_kv_page_size_must_hold_whole_diffusion_blocks(dense_checkpoint):
     with pytest.raises(Exception, match=r"KV page size .* must be a multiple of the diffusion"):
         with diffusion_llm(dense_checkpoint, diffusion_block_size=32, block_size=16):
             pass
+
+
+def test_allowed_token_ids_and_logit_bias_hold_at_every_position(llm, dense_checkpoint):
+    """Every generated token is among allowed_token_ids (greedy and sampled, n = 2); a
+    large logit_bias makes every greedy position propose its token; a list holding only
+    the mask token is refused naming the parameter."""
+    allowed = [11, 12, 13, 40]
+    outputs = llm.generate(
+        [TokensPrompt(prompt_token_ids=[5, 6, 7]), TokensPrompt(prompt_token_ids=[8, 9])],
+        [SamplingParams(temperature=0, max_tokens=10, ignore_eos=True,
+                        allowed_token_ids=allowed),
+         SamplingParams(temperature=1.0, seed=3, n=2, max_tokens=10, ignore_eos=True,
+                        allowed_token_ids=allowed)], use_tqdm=False)
+    generated = [c.token_ids for o in outputs for c in o.outputs]
+    assert len(generated) == 3 and all(len(t) == 10 for t in generated)
+    assert all(set(t) <= set(allowed) for t in generated)
+    (biased,) = generate(llm, [5, 6, 7], temperature=0, max_tokens=9, ignore_eos=True,
+                         logit_bias={21: 100.0})
+    assert list(biased.outputs[0].token_ids) == [21] * 9
+    with pytest.raises(REJECTED, match="allowed_token_ids holds only the mask token"):
+        generate(llm, [5, 6, 7], temperature=0, max_tokens=4,
+                 allowed_token_ids=[mask_id(dense_checkpoint)])

@@ -35,8 +35,6 @@ _UNSUPPORTED: tuple[tuple[str, Any, str], ...] = (
      "logprobs"),
     ("logprob_token_ids", lambda v: v is not None, "logprob_token_ids"),
     ("structured_outputs", lambda v: v is not None, "guided/structured decoding"),
-    ("logit_bias", lambda v: bool(v), "logit_bias"),
-    ("allowed_token_ids", lambda v: v is not None, "allowed_token_ids"),
     ("bad_words", lambda v: bool(v), "bad_words"),
     ("thinking_token_budget", lambda v: v is not None, "thinking_token_budget"),
     ("trace_decode_token_ids", lambda v: v is not None, "trace_decode_token_ids"),
@@ -68,6 +66,12 @@ def validate_sampling_params(params: Any, config: DiffusionEngineConfig) -> None
                 f"({what} cannot be honoured by the vllm-diffusion engine); remove it",
                 parameter=name, value=shown(value),
             )
+    allowed = params.allowed_token_ids
+    if allowed is not None and set(allowed) <= {config.mask_token_id}:
+        raise VLLMValidationError(
+            f"allowed_token_ids holds only the mask token ({config.mask_token_id}), which a "
+            "block-diffusion model never proposes; allow at least one other token",
+            parameter="allowed_token_ids", value=shown(allowed))
     try:
         config.request_policy_config(params.extra_args)
     except OptionError as err:

@@ -47,6 +47,42 @@ class ProposalBatch:
 
 LogitStage = Callable[[ProposalBatch], None]
 
+
+def request_spans(counts: list[int]) -> list[slice]:
+    """Each request's rows of the batch."""
+    spans, start = [], 0
+    for count in counts:
+        spans.append(slice(start, start + count))
+        start += count
+    return spans
+
+
+def allowed_token_ids(batch: ProposalBatch) -> None:
+    """A request's ``allowed_token_ids``: every computed position of its block may propose
+    only those tokens (admission refuses a list holding only the mask token)."""
+    for rows, params in zip(request_spans(batch.counts), batch.params):
+        allowed = getattr(params, "allowed_token_ids", None)
+        if allowed is None or rows.start == rows.stop:
+            continue
+        banned = torch.ones(batch.logits.shape[-1], dtype=torch.bool,
+                            device=batch.logits.device)
+        banned[torch.tensor(allowed, device=batch.logits.device)] = False
+        batch.logits[rows] = batch.logits[rows].masked_fill(banned, float("-inf"))
+
+
+def logit_bias(batch: ProposalBatch) -> None:
+    """A request's ``logit_bias`` ({token id: bias}) added to the raw logits of every
+    computed position of its block (before temperature, as vLLM's sampler does), so it
+    moves both the proposal and its confidence."""
+    for rows, params in zip(request_spans(batch.counts), batch.params):
+        bias = getattr(params, "logit_bias", None)
+        if not bias or rows.start == rows.stop:
+            continue
+        device = batch.logits.device
+        ids = torch.tensor(list(bias), dtype=torch.long, device=device)
+        values = torch.tensor(list(bias.values()), dtype=batch.logits.dtype, device=device)
+        batch.logits[rows, ids] += values
+
 # The sampling parameters each slot honours, and which admission refuses while it is empty.
 SLOT_PARAMETERS: dict[str, tuple[str, ...]] = {
     "allowed_token_ids": ("allowed_token_ids",),
@@ -58,6 +94,8 @@ SLOT_PARAMETERS: dict[str, tuple[str, ...]] = {
 }
 # The logit slots, in order; None: no stage yet.
 LOGIT_STAGES: dict[str, LogitStage | None] = {name: None for name in SLOT_PARAMETERS}
+LOGIT_STAGES["allowed_token_ids"] = allowed_token_ids
+LOGIT_STAGES["logit_bias"] = logit_bias
 STAGES = (*LOGIT_STAGES, "mask_token", "temperature", "top_k_top_p", "draw", "commit_choice")
 
 
