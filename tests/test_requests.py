@@ -48,7 +48,7 @@ def test_empty_and_too_long_prompts_are_rejected(llm):
     ({"presence_penalty": 0.5}, "presence_penalty"),
     ({"repetition_penalty": 1.2}, "repetition_penalty"),
     ({"logprobs": 2}, "logprobs"),
-    ({"min_p": 0.1}, "min_p"),
+    ({"bad_words": ["hello"]}, "bad_words"),
     ({"structured_outputs": StructuredOutputsParams(regex="a+")}, "structured_outputs"),
 ])
 def test_unsupported_sampling_parameters_are_rejected(llm, params, name):
@@ -133,3 +133,15 @@ def test_allowed_token_ids_and_logit_bias_hold_at_every_position(llm, dense_chec
     with pytest.raises(REJECTED, match="allowed_token_ids holds only the mask token"):
         generate(llm, [5, 6, 7], temperature=0, max_tokens=4,
                  allowed_token_ids=[mask_id(dense_checkpoint)])
+
+
+def test_min_tokens_bars_stop_tokens_before_the_minimum(llm):
+    """A stop token pushed to the top of every position (logit_bias) ends the output right
+    at min_tokens: no position before the minimum proposes it, the first one at it does."""
+    stop = llm.llm_engine.tokenizer.eos_token_id
+    for minimum in (0, 6, 9):
+        (out,) = generate(llm, [5, 6, 7], temperature=0, max_tokens=20, min_tokens=minimum,
+                          logit_bias={stop: 100.0})
+        tokens = list(out.outputs[0].token_ids)
+        assert out.outputs[0].finish_reason == "stop"
+        assert stop not in tokens[:minimum] and len(tokens) == minimum + 1, (minimum, tokens)

@@ -14,8 +14,9 @@ from vllm_diffusion.worker.sampling import propose_tokens
 MASK = 3
 
 
-def params(temperature=0.0, top_k=0, top_p=1.0):
-    return types.SimpleNamespace(temperature=temperature, top_k=top_k, top_p=top_p)
+def params(temperature=0.0, top_k=0, top_p=1.0, min_p=0.0):
+    return types.SimpleNamespace(temperature=temperature, top_k=top_k, top_p=top_p,
+                                 min_p=min_p)
 
 
 # name: per request (rows, sampling parameters, seed or None)
@@ -25,6 +26,8 @@ GRID = {
               (6, params(0.9, top_p=0.85), 3), (1, params(1.3, top_k=5, top_p=0.5), 4)],
     "tiny-top-p": [(4, params(1.0, top_p=1e-30), 5), (4, params(), None)],
     "top-k-past-vocab": [(3, params(0.8, top_k=10_000), 6), (2, params(0.8, top_k=1), 7)],
+    "min-p": [(4, params(1.0, min_p=0.2), 8), (3, params(0.7, top_k=10, min_p=0.05), 9),
+              (2, params(), None), (3, params(1.2), 10)],
 }
 
 
@@ -46,7 +49,7 @@ def test_batched_proposals_equal_per_request_proposals(name, rule):
     for (n, p, _), generator in zip(requests, generators()):
         want_tokens, want_confidence = propose_tokens(
             logits[offset:offset + n].clone(), MASK, p.temperature, p.top_k, p.top_p,
-            generator, max_probability=rule == "max_probability")
+            generator, max_probability=rule == "max_probability", min_p=p.min_p)
         assert tokens[offset:offset + n].tolist() == want_tokens.tolist()
         torch.testing.assert_close(confidence[offset:offset + n], want_confidence,
                                    rtol=0, atol=0)
@@ -121,3 +124,18 @@ def test_chunked_logits_give_the_same_proposals(name, max_rows):
     torch.testing.assert_close(chunked[1], whole[1], rtol=1e-6, atol=1e-7)
     assert sum(shapes) == sum(counts)
     assert max(shapes) <= max(max_rows, max(counts))
+
+
+def test_min_p_keeps_only_tokens_near_the_most_likely_one():
+    """With min_p, every drawn token's probability (after temperature) is at least min_p
+    times its row's largest; without it, over many draws some are not."""
+    logits = torch.randn(200, 64, generator=torch.Generator().manual_seed(4)) * 2
+    reference = (logits / 0.9).softmax(dim=-1)
+    reference[:, MASK] = 0
+    for min_p, held in ((0.3, True), (0.0, False)):
+        tokens, _ = propose_for_requests(logits.clone(), MASK, [200],
+                                         [params(0.9, min_p=min_p)],
+                                         [torch.Generator().manual_seed(1)])
+        chosen = reference.gather(1, tokens[:, None]).squeeze(1)
+        ratio = chosen / reference.max(dim=1).values
+        assert bool((ratio >= 0.3 - 1e-6).all()) == held

@@ -77,7 +77,8 @@ CATALOGUE = [
     ({"max_tokens": -1}, "max_tokens"),
     ({"presence_penalty": 0.5}, "presence_penalty"),
     ({"logprobs": True}, "logprobs"),
-    ({"min_tokens": 3}, "min_tokens"),
+    ({"min_tokens": -1}, "min_tokens"),
+    ({"frequency_penalty": 0.5}, "frequency_penalty"),
 ]
 
 

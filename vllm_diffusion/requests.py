@@ -25,8 +25,6 @@ _UNSUPPORTED: tuple[tuple[str, Any, str], ...] = (
     ("presence_penalty", lambda v: abs(v) > _EPS, "penalties"),
     ("frequency_penalty", lambda v: abs(v) > _EPS, "penalties"),
     ("repetition_penalty", lambda v: abs(v - 1.0) > _EPS, "penalties"),
-    ("min_p", lambda v: v > _EPS, "min_p sampling"),
-    ("min_tokens", lambda v: v > 0, "min_tokens"),
     ("logprobs", lambda v: v is not None,
      "sample logprobs; vLLM also asks for them for use_beam_search and the scoring "
      "endpoints"),

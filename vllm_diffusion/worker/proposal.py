@@ -43,6 +43,9 @@ class ProposalBatch:
     counts: list[int]
     params: list  # each request's SamplingParams
     generators: list  # each request's torch.Generator (None: unseeded)
+    # [n] int64 (host): each row's index in its request's output (0: the first token
+    # after the prompt); None where no stage needs it
+    output_index: torch.Tensor | None = None
 
 
 LogitStage = Callable[[ProposalBatch], None]
@@ -70,6 +73,22 @@ def allowed_token_ids(batch: ProposalBatch) -> None:
         batch.logits[rows] = batch.logits[rows].masked_fill(banned, float("-inf"))
 
 
+def min_tokens(batch: ProposalBatch) -> None:
+    """A request's ``min_tokens``: its stop tokens (end of sequence and
+    ``stop_token_ids``, as vLLM's processor takes them) are barred at every position whose
+    index in the output is below the minimum, so no stop lands before it."""
+    for rows, params in zip(request_spans(batch.counts), batch.params):
+        minimum = getattr(params, "min_tokens", 0) or 0
+        stops = sorted(getattr(params, "all_stop_token_ids", None) or ())
+        if not minimum or not stops or rows.start == rows.stop:
+            continue
+        early = torch.nonzero(batch.output_index[rows] < minimum).flatten() + rows.start
+        if len(early):
+            device = batch.logits.device
+            batch.logits[early.to(device)[:, None], torch.tensor(stops, device=device)] = (
+                float("-inf"))
+
+
 def logit_bias(batch: ProposalBatch) -> None:
     """A request's ``logit_bias`` ({token id: bias}) added to the raw logits of every
     computed position of its block (before temperature, as vLLM's sampler does), so it
@@ -95,6 +114,7 @@ SLOT_PARAMETERS: dict[str, tuple[str, ...]] = {
 # The logit slots, in order; None: no stage yet.
 LOGIT_STAGES: dict[str, LogitStage | None] = {name: None for name in SLOT_PARAMETERS}
 LOGIT_STAGES["allowed_token_ids"] = allowed_token_ids
+LOGIT_STAGES["min_tokens"] = min_tokens
 LOGIT_STAGES["logit_bias"] = logit_bias
 STAGES = (*LOGIT_STAGES, "mask_token", "temperature", "top_k_top_p", "draw", "commit_choice")
 
@@ -136,9 +156,12 @@ class ProposalPipeline:
         self.logit_stages = [stage for stage in LOGIT_STAGES.values() if stage is not None]
 
     def propose(self, logits: torch.Tensor, counts: list[int], params: list,
-                generators: list) -> tuple[torch.Tensor, torch.Tensor]:
-        """logits: [n, V]. Returns proposed tokens [n] int64 and their confidences [n]."""
-        batch = ProposalBatch(logits.float(), counts, params, generators)
+                generators: list, output_index: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """logits: [n, V]; output_index: [n] (host) each row's index in its request's
+        output (needed for ``min_tokens``). Returns proposed tokens [n] int64 and their
+        confidences [n]."""
+        batch = ProposalBatch(logits.float(), counts, params, generators, output_index)
         for stage in self.logit_stages:
             stage(batch)
         batch.logits[:, self.mask_token_id] = float("-inf")
@@ -147,20 +170,23 @@ class ProposalPipeline:
 
     def propose_from_hidden(self, compute_logits: Callable[[torch.Tensor], torch.Tensor],
                             hidden: torch.Tensor, counts: list[int], params: list,
-                            generators: list) -> tuple[torch.Tensor, torch.Tensor]:
+                            generators: list, output_index: torch.Tensor | None = None
+                            ) -> tuple[torch.Tensor, torch.Tensor]:
         """``propose`` of ``compute_logits(hidden)`` ([n, H] -> [n, V]), computed a chunk of
         whole requests at a time so that at most ``max_rows`` rows of logits exist at once
         (bounded memory whatever the batch and block). Each request's draws use its own
         generator (or the global one) in request order, as in one call, so the proposals
         are the same as without chunks."""
         if self.max_rows is None or sum(counts) <= self.max_rows:
-            return self.propose(compute_logits(hidden), counts, params, generators)
+            return self.propose(compute_logits(hidden), counts, params, generators,
+                                output_index)
         tokens, confidence, row = [], [], 0
         for first, last in request_chunks(counts, self.max_rows):
             rows = sum(counts[first:last])
             chunk_tokens, chunk_confidence = self.propose(
                 compute_logits(hidden[row:row + rows]), counts[first:last],
-                params[first:last], generators[first:last])
+                params[first:last], generators[first:last],
+                None if output_index is None else output_index[row:row + rows])
             tokens.append(chunk_tokens)
             confidence.append(chunk_confidence)
             row += rows

@@ -270,11 +270,15 @@ class DiffusionRunnerMixin:
             return {}, {}
         block_size, mask_id = self.diffusion.block_size, self.diffusion.mask_token_id
         states = [self.requests[b.rows.req_id] for b in blocks]
+        # Each row's index in its request's output: block start + position - prompt length.
+        first_output = torch.tensor([b.rows.canvas.start - len(s.prompt_token_ids)
+                                     for b, s in zip(blocks, states)])
+        output_index = first_output[where[:, 0]] + where[:, 1]
         # The logits ([n, V]) are made and reduced a chunk of requests at a time.
         tokens, confidence = self.proposals.propose_from_hidden(
             self.model.compute_logits, hidden_states[hidden_index.to(self.device)],
             [b.num_computed for b in blocks], [s.sampling_params for s in states],
-            [s.generator for s in states])
+            [s.generator for s in states], output_index)
         # The step's one device-to-host copy: tokens and confidences together ([2, n]
         # float64 holds every token id exactly). Scattered into [R, B] on the host, -inf /
         # mask where not computed.

@@ -1,7 +1,7 @@
 """Proposing a token and its confidence for every position of a block.
 
 Greedy (temperature 0): the arg-max token, confidence = its softmax probability.
-Sampled: temperature, then top-k, then top-p filtering; the token is drawn from the
+Sampled: temperature, then min-p, top-k and top-p filtering; the token is drawn from the
 filtered distribution with the request's generator, confidence = its probability there
 (SDAR's ``generate.py``), or, for the policies whose papers define it so (ES-dLLM,
 Ada-DLM), the filtered distribution's largest probability. The mask token is never
@@ -38,9 +38,19 @@ def filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.
     return logits
 
 
+def filter_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """logits [n, V] (after temperature), min_p [n]: tokens whose probability is below
+    min_p times the row's largest probability go to -inf (vLLM's order: after temperature,
+    before top-k / top-p)."""
+    probs = logits.softmax(dim=-1)
+    floor = min_p[:, None] * probs.max(dim=-1, keepdim=True).values
+    return logits.masked_fill(probs < floor, float("-inf"))
+
+
 def propose_tokens(logits: torch.Tensor, mask_token_id: int, temperature: float,
                    top_k: int, top_p: float, generator: torch.Generator | None,
-                   max_probability: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                   max_probability: bool = False, min_p: float = 0.0
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """logits: [n, V]. Returns proposed tokens [n] int64 and their confidences [n] float32
     (with ``max_probability``: the largest probability of each row's distribution)."""
     logits = logits.float()
@@ -48,7 +58,10 @@ def propose_tokens(logits: torch.Tensor, mask_token_id: int, temperature: float,
     if temperature < _GREEDY_EPS:
         confidence, tokens = logits.softmax(dim=-1).max(dim=-1)
         return tokens, confidence
-    probs = filter_top_k_top_p(logits / temperature, top_k, top_p).softmax(dim=-1)
+    scaled = logits / temperature
+    if min_p > 0:
+        scaled = filter_min_p(scaled, torch.full((len(scaled),), float(min_p)))
+    probs = filter_top_k_top_p(scaled, top_k, top_p).softmax(dim=-1)
     tokens = torch.multinomial(probs, 1, generator=generator)  # [n, 1]
     if max_probability:
         return tokens.squeeze(1), probs.max(dim=1).values
@@ -99,11 +112,15 @@ def draw_for_requests(logits: torch.Tensor, counts: list[int], params: list,
         starts.append(starts[-1] + count)
     spans = [range(starts[i], starts[i + 1]) for i in sampled]
     rows = torch.tensor([row for span in spans for row in span], dtype=torch.long)
-    per_row = [(params[i].temperature, params[i].top_k, params[i].top_p)
+    per_row = [(params[i].temperature, params[i].top_k, params[i].top_p,
+                getattr(params[i], "min_p", 0.0) or 0.0)
                for i, span in zip(sampled, spans) for _ in span]
-    temperature, top_k, top_p = zip(*per_row)
+    temperature, top_k, top_p, min_p = zip(*per_row)
     rows_device = rows.to(logits.device)
     scaled = logits[rows_device] / torch.tensor(temperature, device=logits.device)[:, None]
+    if any(p > 0 for p in min_p):
+        scaled = filter_min_p(scaled, torch.tensor(min_p, dtype=scaled.dtype,
+                                                   device=logits.device))
     probs = batched_filter_top_k_top_p(
         scaled, torch.tensor(top_k, device=logits.device),
         torch.tensor(top_p, dtype=torch.float32, device=logits.device),
