@@ -51,3 +51,31 @@ def test_allowed_token_ids_and_logit_bias_apply_to_every_row_of_their_request():
                                                           **vars(p)) for p in params],
         [None] * 3)
     assert set(tokens[:3].tolist()) <= {2, 5} and tokens[3:5].tolist() == [3, 3]
+
+
+def test_penalties_follow_vllms_definitions():
+    """Repetition divides positive logits (multiplies negative ones) of tokens in the prompt
+    or the output; frequency subtracts per output occurrence, presence once; a request
+    without penalties is untouched. Checked against a plain loop."""
+    import types
+
+    import torch
+
+    logits = torch.randn(5, 12, generator=torch.Generator().manual_seed(1)) * 3
+    params = [types.SimpleNamespace(repetition_penalty=1.5, frequency_penalty=0.4,
+                                    presence_penalty=0.3),
+              types.SimpleNamespace(repetition_penalty=1.0, frequency_penalty=0.0,
+                                    presence_penalty=0.0)]
+    seen = [([1, 2, 2], [3, 3, 4, 2]), ([5], [6])]
+    batch = proposal.ProposalBatch(logits.clone(), [3, 2], params, [None] * 2,
+                                   seen_tokens=seen)
+    proposal.penalties(batch)
+    prompt, output = seen[0]
+    for row in range(3):
+        for token in range(12):
+            want = float(logits[row, token])
+            if token in prompt or token in output:
+                want = want / 1.5 if want > 0 else want * 1.5
+            want -= 0.4 * output.count(token) + 0.3 * (token in output)
+            assert abs(float(batch.logits[row, token]) - want) < 1e-5
+    assert torch.equal(batch.logits[3:], logits[3:])

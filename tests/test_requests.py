@@ -45,8 +45,6 @@ def test_empty_and_too_long_prompts_are_rejected(llm):
 
 
 @pytest.mark.parametrize("params, name", [
-    ({"presence_penalty": 0.5}, "presence_penalty"),
-    ({"repetition_penalty": 1.2}, "repetition_penalty"),
     ({"logprobs": 2}, "logprobs"),
     ({"bad_words": ["hello"]}, "bad_words"),
     ({"structured_outputs": StructuredOutputsParams(regex="a+")}, "structured_outputs"),
@@ -145,3 +143,18 @@ def test_min_tokens_bars_stop_tokens_before_the_minimum(llm):
         tokens = list(out.outputs[0].token_ids)
         assert out.outputs[0].finish_reason == "stop"
         assert stop not in tokens[:minimum] and len(tokens) == minimum + 1, (minimum, tokens)
+
+
+def test_repetition_penalty_keeps_sequential_decoding_from_repeating(llm):
+    """One token per step (``sequential``), so each position's penalty sees every token
+    before it: with a strong repetition penalty no output token repeats one of the prompt
+    or an earlier output token; without it the same request repeats."""
+    prompt = [5, 6, 7, 8]
+    options = {"strategy": "sequential"}
+    (plain,) = generate(llm, prompt, temperature=0, max_tokens=16, ignore_eos=True,
+                        extra_args=options)
+    (penalised,) = generate(llm, prompt, temperature=0, max_tokens=16, ignore_eos=True,
+                            repetition_penalty=50.0, extra_args=options)
+    tokens = list(penalised.outputs[0].token_ids)
+    assert len(set(tokens)) == 16 and not set(tokens) & set(prompt)
+    assert len(set(plain.outputs[0].token_ids) | set(prompt)) < 20

@@ -75,10 +75,9 @@ CATALOGUE = [
     ({"top_p": NAN}, "top_p"),
     ({"seed": 2**70}, "seed"),
     ({"max_tokens": -1}, "max_tokens"),
-    ({"presence_penalty": 0.5}, "presence_penalty"),
     ({"logprobs": True}, "logprobs"),
     ({"min_tokens": -1}, "min_tokens"),
-    ({"frequency_penalty": 0.5}, "frequency_penalty"),
+    ({"frequency_penalty": 5.0}, "frequency_penalty"),
 ]
 
 

@@ -22,9 +22,6 @@ _SEED_RANGE = (-(2**63), 2**64 - 1)
 
 # (attribute, predicate saying the value is in use, why it is not supported)
 _UNSUPPORTED: tuple[tuple[str, Any, str], ...] = (
-    ("presence_penalty", lambda v: abs(v) > _EPS, "penalties"),
-    ("frequency_penalty", lambda v: abs(v) > _EPS, "penalties"),
-    ("repetition_penalty", lambda v: abs(v - 1.0) > _EPS, "penalties"),
     ("logprobs", lambda v: v is not None,
      "sample logprobs; vLLM also asks for them for use_beam_search and the scoring "
      "endpoints"),

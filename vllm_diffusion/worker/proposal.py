@@ -46,6 +46,16 @@ class ProposalBatch:
     # [n] int64 (host): each row's index in its request's output (0: the first token
     # after the prompt); None where no stage needs it
     output_index: torch.Tensor | None = None
+    # per request, (prompt token ids, output token ids so far: the committed output and
+    # the current block's filled output positions); None where no request has penalties
+    seen_tokens: list[tuple[list[int], list[int]]] | None = None
+
+
+def has_penalties(params) -> bool:
+    """Whether a request's sampling parameters ask for any penalty."""
+    return (abs(getattr(params, "presence_penalty", 0.0) or 0.0) > 1e-5
+            or abs(getattr(params, "frequency_penalty", 0.0) or 0.0) > 1e-5
+            or abs((getattr(params, "repetition_penalty", 1.0) or 1.0) - 1.0) > 1e-5)
 
 
 LogitStage = Callable[[ProposalBatch], None]
@@ -89,6 +99,34 @@ def min_tokens(batch: ProposalBatch) -> None:
                 float("-inf"))
 
 
+def penalties(batch: ProposalBatch) -> None:
+    """vLLM's penalties at every computed position of a request's block, over what the
+    request has so far: ``repetition_penalty`` r divides the positive logits (multiplies
+    the negative ones) of every token in the prompt or the output; ``frequency_penalty``
+    subtracts f times a token's count in the output, ``presence_penalty`` p once if it is
+    there. The output is the committed tokens plus the current block's filled output
+    positions (a filled position's own token counts too)."""
+    for index, (rows, params) in enumerate(zip(request_spans(batch.counts), batch.params)):
+        if rows.start == rows.stop or not has_penalties(params):
+            continue
+        prompt_ids, output_ids = batch.seen_tokens[index]
+        logits = batch.logits[rows]
+        vocab, device = logits.shape[-1], logits.device
+        counts = torch.bincount(torch.tensor(output_ids, dtype=torch.long),
+                                minlength=vocab)[:vocab].to(device, logits.dtype)
+        seen = counts > 0
+        repetition = params.repetition_penalty or 1.0
+        if abs(repetition - 1.0) > 1e-5:
+            in_prompt = torch.zeros(vocab, dtype=torch.bool, device=device)
+            in_prompt[torch.tensor(prompt_ids, dtype=torch.long, device=device)] = True
+            repeated = in_prompt | seen
+            logits = torch.where(repeated & (logits > 0), logits / repetition,
+                                 torch.where(repeated, logits * repetition, logits))
+        logits = logits - (params.frequency_penalty or 0.0) * counts
+        logits = logits - (params.presence_penalty or 0.0) * seen.to(logits.dtype)
+        batch.logits[rows] = logits
+
+
 def logit_bias(batch: ProposalBatch) -> None:
     """A request's ``logit_bias`` ({token id: bias}) added to the raw logits of every
     computed position of its block (before temperature, as vLLM's sampler does), so it
@@ -116,6 +154,7 @@ LOGIT_STAGES: dict[str, LogitStage | None] = {name: None for name in SLOT_PARAME
 LOGIT_STAGES["allowed_token_ids"] = allowed_token_ids
 LOGIT_STAGES["min_tokens"] = min_tokens
 LOGIT_STAGES["logit_bias"] = logit_bias
+LOGIT_STAGES["penalties"] = penalties
 STAGES = (*LOGIT_STAGES, "mask_token", "temperature", "top_k_top_p", "draw", "commit_choice")
 
 
@@ -156,12 +195,14 @@ class ProposalPipeline:
         self.logit_stages = [stage for stage in LOGIT_STAGES.values() if stage is not None]
 
     def propose(self, logits: torch.Tensor, counts: list[int], params: list,
-                generators: list, output_index: torch.Tensor | None = None
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+                generators: list, output_index: torch.Tensor | None = None,
+                seen_tokens: list | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """logits: [n, V]; output_index: [n] (host) each row's index in its request's
-        output (needed for ``min_tokens``). Returns proposed tokens [n] int64 and their
+        output (needed for ``min_tokens``); seen_tokens: per request (prompt ids, output
+        ids) (needed for penalties). Returns proposed tokens [n] int64 and their
         confidences [n]."""
-        batch = ProposalBatch(logits.float(), counts, params, generators, output_index)
+        batch = ProposalBatch(logits.float(), counts, params, generators, output_index,
+                              seen_tokens)
         for stage in self.logit_stages:
             stage(batch)
         batch.logits[:, self.mask_token_id] = float("-inf")
@@ -170,7 +211,8 @@ class ProposalPipeline:
 
     def propose_from_hidden(self, compute_logits: Callable[[torch.Tensor], torch.Tensor],
                             hidden: torch.Tensor, counts: list[int], params: list,
-                            generators: list, output_index: torch.Tensor | None = None
+                            generators: list, output_index: torch.Tensor | None = None,
+                            seen_tokens: list | None = None
                             ) -> tuple[torch.Tensor, torch.Tensor]:
         """``propose`` of ``compute_logits(hidden)`` ([n, H] -> [n, V]), computed a chunk of
         whole requests at a time so that at most ``max_rows`` rows of logits exist at once
@@ -179,14 +221,15 @@ class ProposalPipeline:
         are the same as without chunks."""
         if self.max_rows is None or sum(counts) <= self.max_rows:
             return self.propose(compute_logits(hidden), counts, params, generators,
-                                output_index)
+                                output_index, seen_tokens)
         tokens, confidence, row = [], [], 0
         for first, last in request_chunks(counts, self.max_rows):
             rows = sum(counts[first:last])
             chunk_tokens, chunk_confidence = self.propose(
                 compute_logits(hidden[row:row + rows]), counts[first:last],
                 params[first:last], generators[first:last],
-                None if output_index is None else output_index[row:row + rows])
+                None if output_index is None else output_index[row:row + rows],
+                None if seen_tokens is None else seen_tokens[first:last])
             tokens.append(chunk_tokens)
             confidence.append(chunk_confidence)
             row += rows

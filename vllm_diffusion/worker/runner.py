@@ -29,7 +29,7 @@ from vllm_diffusion.step.request import DiffusionRequest
 from vllm_diffusion.step.rows import StepRows
 from vllm_diffusion.worker.geometry import BlockGeometry
 from vllm_diffusion.worker.outputs import DiffusionRunnerOutput, DiffusionStats, empty_output
-from vllm_diffusion.worker.proposal import ProposalPipeline, chunk_rows
+from vllm_diffusion.worker.proposal import ProposalPipeline, chunk_rows, has_penalties
 from vllm_diffusion.worker.step_plan import (
     KnownTokens,
     RequestRows,
@@ -67,6 +67,16 @@ class StepDecisions:
     no_mask_left: list[bool]
     num_edited: list[int]  # filled positions given a new token, per block
     began_unmasked: list[bool]  # the step started with no masked position
+
+
+def seen_by(canvas: Any, state: Any, mask_token_id: int) -> tuple[list[int], list[int]]:
+    """A request's (prompt ids, output ids so far) for penalties: the committed output and
+    its current block's filled output positions, whose tokens are not emitted yet."""
+    prompt_len = len(state.prompt_token_ids)
+    emitted = prompt_len + len(state.output_token_ids)
+    pending = [t for p, t in enumerate(canvas.tokens.tolist(), start=canvas.start)
+               if p >= emitted and t != mask_token_id]
+    return list(state.prompt_token_ids), list(state.output_token_ids) + pending
 
 
 class DiffusionRunnerMixin:
@@ -274,11 +284,14 @@ class DiffusionRunnerMixin:
         first_output = torch.tensor([b.rows.canvas.start - len(s.prompt_token_ids)
                                      for b, s in zip(blocks, states)])
         output_index = first_output[where[:, 0]] + where[:, 1]
+        seen_tokens = None
+        if any(has_penalties(s.sampling_params) for s in states):
+            seen_tokens = [seen_by(b.rows.canvas, s, mask_id) for b, s in zip(blocks, states)]
         # The logits ([n, V]) are made and reduced a chunk of requests at a time.
         tokens, confidence = self.proposals.propose_from_hidden(
             self.model.compute_logits, hidden_states[hidden_index.to(self.device)],
             [b.num_computed for b in blocks], [s.sampling_params for s in states],
-            [s.generator for s in states], output_index)
+            [s.generator for s in states], output_index, seen_tokens)
         # The step's one device-to-host copy: tokens and confidences together ([2, n]
         # float64 holds every token id exactly). Scattered into [R, B] on the host, -inf /
         # mask where not computed.
