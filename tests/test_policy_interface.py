@@ -142,16 +142,57 @@ def test_batched_commit_choice_matches_the_per_block_reference(name):
     confidence, masked, gen = random_blocks(seed, rows, block)
     configs = [StandardConfig(
         strategy=STRATEGIES[i % len(STRATEGIES)], threshold=[0.0, 0.5, 0.9, 1.0][i % 4],
+        entropy_bound=[0.0, 0.3, 1.5, 100.0][i % 4],
         denoising_steps=None if i % 3 else max(1, block // 2)) for i in range(rows)]
     steps = torch.randint(0, block + 2, (rows,), generator=gen)
+    entropy = torch.rand(rows, block, generator=gen) * 0.8
     got = batched_choose_commits(
         confidence, masked, steps,
         torch.tensor([c.steps_for(block) for c in configs]),
         torch.tensor([STRATEGIES.index(c.strategy) for c in configs]),
-        torch.tensor([c.threshold for c in configs]))
+        torch.tensor([c.threshold for c in configs]), entropy,
+        torch.tensor([c.entropy_bound for c in configs]))
     for i, config in enumerate(configs):
-        want = choose_commits(confidence[i], masked[i], int(steps[i]), block, config)
+        want = choose_commits(confidence[i], masked[i], int(steps[i]), block, config,
+                              entropy[i])
         assert got[i].tolist() == want.tolist(), (i, config)
+
+
+def eb_reference(confidence: list[float], masked: list[bool], entropy: list[float],
+                 gamma: float) -> list[bool]:
+    """The EB-sampler's rule (arXiv 2505.24857, Algorithm 1) with plain loops: the masked
+    positions by confidence (ties to the left), the longest prefix whose summed entropy
+    minus its largest entropy is at most gamma, at least one."""
+    order = sorted((i for i in range(len(masked)) if masked[i]),
+                   key=lambda i: (-confidence[i], i))
+    chosen = [False] * len(masked)
+    for length in range(len(order), 0, -1):
+        prefix = [entropy[i] for i in order[:length]]
+        if length == 1 or sum(prefix) - max(prefix) <= gamma:
+            for i in order[:length]:
+                chosen[i] = True
+            break
+    return chosen
+
+
+@pytest.mark.parametrize("name", COMMIT_GRID)
+@pytest.mark.parametrize("gamma", [0.0, 0.05, 0.4, 3.0])
+def test_entropy_bounded_commits_match_the_eb_reference(name, gamma):
+    rows, block, seed = COMMIT_GRID[name]
+    confidence, masked, gen = random_blocks(seed, rows, block)
+    entropy = torch.rand(rows, block, generator=gen) * 0.5
+    config = StandardConfig(strategy="entropy_bounded", entropy_bound=gamma)
+    got = batched_choose_commits(
+        confidence, masked, torch.zeros(rows, dtype=torch.long),
+        torch.full((rows,), block), torch.full((rows,), STRATEGIES.index("entropy_bounded")),
+        torch.full((rows,), 0.9), entropy, torch.full((rows,), gamma))
+    for i in range(rows):
+        want = eb_reference(confidence[i].tolist(), masked[i].tolist(), entropy[i].tolist(),
+                            gamma)
+        if block > 1:  # a one-position block's first step is its last: everything commits
+            assert got[i].tolist() == want, (i, gamma)
+        assert choose_commits(confidence[i], masked[i], 0, block, config,
+                              entropy[i]).tolist() == got[i].tolist()
 
 
 # ---------------------------------------------------------------- registry

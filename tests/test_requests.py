@@ -158,3 +158,31 @@ def test_repetition_penalty_keeps_sequential_decoding_from_repeating(llm):
     tokens = list(penalised.outputs[0].token_ids)
     assert len(set(tokens)) == 16 and not set(tokens) & set(prompt)
     assert len(set(plain.outputs[0].token_ids) | set(prompt)) < 20
+
+
+def test_entropy_bounded_unmasking(llm):
+    """The EB-sampler strategy: with a zero bound it commits one position per step, the
+    most confident, which is exactly ``low_confidence_static`` at one token per step; with
+    a bound no block reaches it commits every masked position at once; the option is
+    validated."""
+    from vllm_diffusion_lab.offline import stats_delta
+
+    prompts = [TokensPrompt(prompt_token_ids=p) for p in ([5, 6, 7], [8, 9, 10, 11, 12])]
+
+    def run(options):
+        before = llm.collective_rpc("diffusion_stats")[0]
+        outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12,
+                                                       ignore_eos=True, extra_args=options),
+                               use_tqdm=False)
+        stats = stats_delta(before, llm.collective_rpc("diffusion_stats")[0])
+        return [list(o.outputs[0].token_ids) for o in outputs], stats
+
+    narrow, narrow_stats = run({"strategy": "entropy_bounded", "entropy_bound": 0.0})
+    static, _ = run({"strategy": "low_confidence_static"})
+    assert narrow == static
+    _, wide_stats = run({"strategy": "entropy_bounded", "entropy_bound": 1e6})
+    assert wide_stats["denoising_steps_per_block"] == 1.0
+    assert narrow_stats["denoising_steps_per_block"] > 1.0
+    with pytest.raises(REJECTED, match=r"option 'entropy_bound' must be float in \[0.0"):
+        generate(llm, [5, 6, 7], max_tokens=4, extra_args={"strategy": "entropy_bounded",
+                                                           "entropy_bound": -1.0})

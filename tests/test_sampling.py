@@ -139,3 +139,29 @@ def test_min_p_keeps_only_tokens_near_the_most_likely_one():
         chosen = reference.gather(1, tokens[:, None]).squeeze(1)
         ratio = chosen / reference.max(dim=1).values
         assert bool((ratio >= 0.3 - 1e-6).all()) == held
+
+
+def test_proposal_entropies_are_of_the_distribution_proposed_from():
+    """With entropies asked for: greedy rows give their softmax's entropy, sampled rows
+    that of the scaled, filtered distribution they were drawn from (a top-k of 1 leaves
+    one token: entropy 0); tokens and confidences are unchanged."""
+    logits = torch.randn(6, 32, generator=torch.Generator().manual_seed(2)) * 2
+    requests = [(3, params(), None), (2, params(1.0, top_k=1), 1), (1, params(0.5), 2)]
+    counts, batch_params = [n for n, _, _ in requests], [p for _, p, _ in requests]
+
+    def generators():
+        return [torch.Generator().manual_seed(s) if s is not None else None
+                for _, _, s in requests]
+
+    from vllm_diffusion.worker.proposal import ProposalPipeline
+
+    tokens, confidence, entropy = ProposalPipeline(MASK).propose(
+        logits.clone(), counts, batch_params, generators(), with_entropy=True)
+    plain = ProposalPipeline(MASK).propose(logits.clone(), counts, batch_params, generators())
+    assert torch.equal(tokens, plain[0]) and torch.equal(confidence, plain[1])
+    greedy = logits[:3].clone()
+    greedy[:, MASK] = float("-inf")
+    probs = greedy.softmax(dim=-1)
+    torch.testing.assert_close(entropy[:3], torch.special.entr(probs).sum(dim=-1))
+    assert torch.equal(entropy[3:5], torch.zeros(2))
+    assert float(entropy[5]) > 0

@@ -134,6 +134,9 @@ class RecordingPolicy(DecodingPolicy):
         self.current = RecordingHooks(step, self.inner.forward_hooks(step), self.mask_token_id)
         return self.current
 
+    def wants_entropy(self, requests: list[DiffusionRequest]) -> bool:
+        return self.inner.wants_entropy(requests)
+
     def choose_commits(self, batch: CommitBatch) -> torch.Tensor:
         commits = self.inner.choose_commits(batch)
         for request, commit in zip(batch.requests, commits):

@@ -87,6 +87,11 @@ class DecodingPolicy(abc.ABC, Generic[ConfigT, StateT]):
     def forward_hooks(self, step: ForwardStep) -> StepHooks | None:
         return None
 
+    def wants_entropy(self, requests: list[DiffusionRequest[ConfigT, StateT]]) -> bool:
+        """Whether this step's commit choice for these requests needs each proposal's
+        entropy (``CommitBatch.entropy``)."""
+        return False
+
     @abc.abstractmethod
     def choose_commits(self, batch: CommitBatch) -> torch.Tensor:
         """[R, B] bool: positions to unmask; a subset of ``batch.masked`` with at least

@@ -8,11 +8,17 @@ Following SDAR's published ``generate.py`` and LMDeploy:
 - ``sequential``: commit the leftmost quota of masked positions.
 - ``threshold`` (LMDeploy / SGLang): commit the most confident masked position plus every
   masked position with confidence at least ``threshold``.
+- ``entropy_bounded`` (EB-sampler, Ben-Hamu et al., arXiv 2505.24857): order the masked
+  positions by confidence and commit the longest prefix of that order whose summed
+  entropy, minus the largest entropy in it, is at most ``entropy_bound``; at least one
+  position per step. Entropy: of each position's proposal distribution (greedy: the
+  softmax of its processed logits; sampled: the scaled, filtered distribution drawn
+  from).
 
 The quota of step ``s`` spreads the block over ``denoising_steps`` steps
 (``B // steps`` plus one for the first ``B % steps`` steps), so every strategy finishes a
-block within ``denoising_steps`` steps; ``threshold`` commits everything left at its last
-allowed step.
+block within ``denoising_steps`` steps; ``threshold`` and ``entropy_bounded`` commit everything left at
+their last allowed step.
 
 ``StrategyPolicy`` is the base of the policies that unmask by one of these (the commit
 choice and LLaDA2.1 token editing; what to compute is each policy's own).
@@ -30,7 +36,8 @@ from vllm_diffusion.policies.base import DecodingPolicy, PolicyConfig
 from vllm_diffusion.step.plans import CommitBatch, EditBatch
 from vllm_diffusion.step.request import DiffusionRequest
 
-STRATEGIES = ("low_confidence_dynamic", "low_confidence_static", "sequential", "threshold")
+STRATEGIES = ("low_confidence_dynamic", "low_confidence_static", "sequential", "threshold",
+              "entropy_bounded")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,6 +48,9 @@ class StrategyConfig(PolicyConfig):
 
     strategy: str = option("low_confidence_dynamic", Rule(str, choices=STRATEGIES))
     threshold: float = option(0.9, Rule(float, low=0.0, high=1.0))
+    # gamma of ``entropy_bounded`` (nats); 0.1 as the public EB-sampler implementations
+    # default to (the paper sweeps 1e-3 to 1)
+    entropy_bound: float = option(0.1, Rule(float, low=0.0, high=1e6))
     # Cap on denoising steps per block; None means one step per block position.
     denoising_steps: int | None = option(None, Rule(int, low=1, high=4096, optional=True))
     # LLaDA2.1 token editing: a filled position of the current block takes the model's
@@ -88,12 +98,14 @@ def top_by_confidence(confidence: torch.Tensor, k: int) -> torch.Tensor:
 
 
 def choose_commits(confidence: torch.Tensor, masked: torch.Tensor, step: int,
-                   block_size: int, config: StrategyConfig) -> torch.Tensor:
+                   block_size: int, config: StrategyConfig,
+                   entropy: torch.Tensor | None = None) -> torch.Tensor:
     """Which positions of one block to commit this step (the plain reference of
     ``batched_choose_commits``).
 
     confidence: [B] float, the probability of each position's proposed token.
     masked:     [B] bool, positions still holding the mask token.
+    entropy:    [B] float, each position's proposal entropy (``entropy_bounded`` only).
     Returns a [B] bool tensor; only masked positions are ever chosen, at least one if any
     position is masked.
     """
@@ -120,6 +132,19 @@ def choose_commits(confidence: torch.Tensor, masked: torch.Tensor, step: int,
             return masked.clone()
         commit = masked & (confidence >= config.threshold)
         commit[top_by_confidence(conf, 1)] = True
+    elif strategy == "entropy_bounded":
+        if step >= steps - 1:
+            return masked.clone()
+        order = top_by_confidence(conf, num_masked).tolist()
+        total = largest = 0.0
+        count = 0
+        for position in order:
+            total += float(entropy[position])
+            largest = max(largest, float(entropy[position]))
+            if count and total - largest > config.entropy_bound:
+                break
+            count += 1
+        commit[order[:count]] = True
     else:  # parse_options restricts strategy to STRATEGIES
         raise AssertionError(strategy)
     return commit
@@ -127,11 +152,15 @@ def choose_commits(confidence: torch.Tensor, masked: torch.Tensor, step: int,
 
 def batched_choose_commits(confidence: torch.Tensor, masked: torch.Tensor,
                            steps_taken: torch.Tensor, steps_allowed: torch.Tensor,
-                           strategy: torch.Tensor, threshold: torch.Tensor) -> torch.Tensor:
+                           strategy: torch.Tensor, threshold: torch.Tensor,
+                           entropy: torch.Tensor | None = None,
+                           entropy_bound: torch.Tensor | None = None) -> torch.Tensor:
     """``choose_commits`` for R blocks at once (the engine's path; tested against it).
 
     confidence, masked: [R, B]; steps_taken (the block's step), steps_allowed (its
-    ``steps_for``), strategy (index into ``STRATEGIES``): [R] int64; threshold: [R] float.
+    ``steps_for``), strategy (index into ``STRATEGIES``): [R] int64; threshold: [R] float;
+    entropy: [R, B] and entropy_bound: [R] float (needed where a block uses
+    ``entropy_bounded``).
     """
     num_rows, block = masked.shape
     num_masked = masked.sum(dim=1)
@@ -150,7 +179,20 @@ def batched_choose_commits(confidence: torch.Tensor, masked: torch.Tensor,
     last_step = (steps_taken >= steps_allowed - 1)[:, None]
     by_threshold = torch.where(
         last_step, masked, (masked & (confidence >= threshold[:, None])) | ((rank < 1) & masked))
-    choices = torch.stack([dynamic, top, sequential, by_threshold])  # STRATEGIES order
+    if entropy is None:
+        if bool((strategy == STRATEGIES.index("entropy_bounded")).any()):
+            raise ValueError("the entropy_bounded strategy needs each proposal's entropy")
+        entropy_bounded = torch.zeros_like(masked)
+    else:
+        # Masked positions by confidence: the summed entropy minus its running maximum
+        # never decreases along the order, so the positions within the bound are a prefix.
+        ordered = torch.where(masked, entropy, torch.zeros_like(entropy)).gather(1, order)
+        spread = ordered.cumsum(dim=1) - ordered.cummax(dim=1).values
+        within = (spread <= entropy_bound[:, None]) & masked.gather(1, order)
+        count = within.sum(dim=1, keepdim=True).clamp(min=1)
+        entropy_bounded = torch.where(last_step, masked, (rank < count) & masked)
+    choices = torch.stack([dynamic, top, sequential, by_threshold,
+                           entropy_bounded])  # STRATEGIES order
     return choices[strategy, torch.arange(num_rows)]
 
 
@@ -189,6 +231,9 @@ class StrategyPolicy(DecodingPolicy[StrategyConfigT, StateT],
             return config.max_post_steps == 0
         return not edited or request.canvas.post_steps >= config.max_post_steps
 
+    def wants_entropy(self, requests: list[DiffusionRequest[StrategyConfigT, StateT]]) -> bool:
+        return any(r.policy_config.strategy == "entropy_bounded" for r in requests)
+
     def choose_commits(self, batch: CommitBatch) -> torch.Tensor:
         configs = [r.policy_config for r in batch.requests]
         return batched_choose_commits(
@@ -196,4 +241,6 @@ class StrategyPolicy(DecodingPolicy[StrategyConfigT, StateT],
             torch.tensor([r.canvas.steps for r in batch.requests], dtype=torch.long),
             torch.tensor([c.steps_for(self.block_size) for c in configs], dtype=torch.long),
             torch.tensor([STRATEGIES.index(c.strategy) for c in configs], dtype=torch.long),
-            torch.tensor([c.threshold for c in configs], dtype=torch.float32))
+            torch.tensor([c.threshold for c in configs], dtype=torch.float32),
+            batch.entropy,
+            torch.tensor([c.entropy_bound for c in configs], dtype=torch.float32))

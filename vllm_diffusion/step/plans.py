@@ -34,11 +34,14 @@ WHOLE_BLOCK = BlockStepPlan()
 class CommitBatch:
     """Every denoised block of a step, stacked. confidence: [R, B] float32 (host) of each
     proposal, -inf where not proposed; masked: [R, B] bool, masked positions that were
-    computed through every layer (the only ones that may be chosen)."""
+    computed through every layer (the only ones that may be chosen); entropy: [R, B]
+    float32 (host) of each proposal's distribution, where the policy asked for it
+    (``wants_entropy``), else None."""
 
     requests: list[DiffusionRequest]
     confidence: torch.Tensor
     masked: torch.Tensor
+    entropy: torch.Tensor | None = None
 
 
 @dataclasses.dataclass

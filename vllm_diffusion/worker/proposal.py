@@ -196,24 +196,26 @@ class ProposalPipeline:
 
     def propose(self, logits: torch.Tensor, counts: list[int], params: list,
                 generators: list, output_index: torch.Tensor | None = None,
-                seen_tokens: list | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                seen_tokens: list | None = None, with_entropy: bool = False
+                ) -> tuple[torch.Tensor, ...]:
         """logits: [n, V]; output_index: [n] (host) each row's index in its request's
         output (needed for ``min_tokens``); seen_tokens: per request (prompt ids, output
         ids) (needed for penalties). Returns proposed tokens [n] int64 and their
-        confidences [n]."""
+        confidences [n] (and, ``with_entropy``, each row's entropy [n])."""
         batch = ProposalBatch(logits.float(), counts, params, generators, output_index,
                               seen_tokens)
         for stage in self.logit_stages:
             stage(batch)
         batch.logits[:, self.mask_token_id] = float("-inf")
         return draw_for_requests(batch.logits, counts, params, generators,
-                                 max_probability=self.max_probability)
+                                 max_probability=self.max_probability,
+                                 with_entropy=with_entropy)
 
     def propose_from_hidden(self, compute_logits: Callable[[torch.Tensor], torch.Tensor],
                             hidden: torch.Tensor, counts: list[int], params: list,
                             generators: list, output_index: torch.Tensor | None = None,
-                            seen_tokens: list | None = None
-                            ) -> tuple[torch.Tensor, torch.Tensor]:
+                            seen_tokens: list | None = None, with_entropy: bool = False
+                            ) -> tuple[torch.Tensor, ...]:
         """``propose`` of ``compute_logits(hidden)`` ([n, H] -> [n, V]), computed a chunk of
         whole requests at a time so that at most ``max_rows`` rows of logits exist at once
         (bounded memory whatever the batch and block). Each request's draws use its own
@@ -221,19 +223,17 @@ class ProposalPipeline:
         are the same as without chunks."""
         if self.max_rows is None or sum(counts) <= self.max_rows:
             return self.propose(compute_logits(hidden), counts, params, generators,
-                                output_index, seen_tokens)
-        tokens, confidence, row = [], [], 0
+                                output_index, seen_tokens, with_entropy)
+        parts, row = [], 0
         for first, last in request_chunks(counts, self.max_rows):
             rows = sum(counts[first:last])
-            chunk_tokens, chunk_confidence = self.propose(
+            parts.append(self.propose(
                 compute_logits(hidden[row:row + rows]), counts[first:last],
                 params[first:last], generators[first:last],
                 None if output_index is None else output_index[row:row + rows],
-                None if seen_tokens is None else seen_tokens[first:last])
-            tokens.append(chunk_tokens)
-            confidence.append(chunk_confidence)
+                None if seen_tokens is None else seen_tokens[first:last], with_entropy))
             row += rows
-        return torch.cat(tokens), torch.cat(confidence)
+        return tuple(torch.cat(column) for column in zip(*parts))
 
 
 def propose_for_requests(logits: torch.Tensor, mask_token_id: int, counts: list[int],

@@ -287,15 +287,17 @@ class DiffusionRunnerMixin:
         seen_tokens = None
         if any(has_penalties(s.sampling_params) for s in states):
             seen_tokens = [seen_by(b.rows.canvas, s, mask_id) for b, s in zip(blocks, states)]
+        requests = [b.rows.request for b in blocks]
+        with_entropy = self.policy.wants_entropy(requests)
         # The logits ([n, V]) are made and reduced a chunk of requests at a time.
-        tokens, confidence = self.proposals.propose_from_hidden(
+        proposed = self.proposals.propose_from_hidden(
             self.model.compute_logits, hidden_states[hidden_index.to(self.device)],
             [b.num_computed for b in blocks], [s.sampling_params for s in states],
-            [s.generator for s in states], output_index, seen_tokens)
-        # The step's one device-to-host copy: tokens and confidences together ([2, n]
-        # float64 holds every token id exactly). Scattered into [R, B] on the host, -inf /
-        # mask where not computed.
-        host = torch.stack((tokens.double(), confidence.double())).cpu()
+            [s.generator for s in states], output_index, seen_tokens, with_entropy)
+        # The step's one device-to-host copy: tokens, confidences (and entropies) together
+        # ([2 or 3, n] float64 holds every token id exactly). Scattered into [R, B] on the
+        # host, -inf / mask where not computed.
+        host = torch.stack([column.double() for column in proposed]).cpu()
         block_of_row, position_of_row = where[:, 0], where[:, 1]
         proposals = torch.full((len(blocks), block_size), mask_id, dtype=torch.long)
         proposals[block_of_row, position_of_row] = host[0].long()
@@ -304,10 +306,13 @@ class DiffusionRunnerMixin:
         computed = torch.zeros(len(blocks), block_size, dtype=torch.bool)
         computed[block_of_row, position_of_row] = True
         masked = torch.stack([b.rows.canvas.masked(mask_id) for b in blocks])
-        requests = [b.rows.request for b in blocks]
+        commit_inputs = (full_confidence, masked & computed)
+        if with_entropy:
+            full_entropy = torch.zeros(len(blocks), block_size)
+            full_entropy[block_of_row, position_of_row] = host[2].float()
+            commit_inputs = (*commit_inputs, full_entropy)
         commits = self._ask_policy(self.policy.choose_commits, CommitBatch, requests,
-                                   (full_confidence, masked & computed), failed,
-                                   "choosing its commits")
+                                   commit_inputs, failed, "choosing its commits")
         # The blocks after this step's commits and edits, for all requests at once.
         tokens_before = torch.stack([b.rows.canvas.tokens for b in blocks])
         tokens_after = torch.where(commits, proposals, tokens_before)
@@ -353,7 +358,8 @@ class DiffusionRunnerMixin:
                 except Exception as err:  # noqa: BLE001 - isolated to this request
                     failed[request.req_id] = self._fail_request(request.req_id, doing, err)
                     row = None
-                rows.append(torch.zeros_like(tensors[-1][i]) if row is None else row[0])
+                rows.append(torch.zeros(tensors[0][i].shape, dtype=torch.bool)
+                            if row is None else row[0])
             return torch.stack(rows)
 
     def _unmask(self, block: DenoisedBlock, state: Any, decisions: StepDecisions,

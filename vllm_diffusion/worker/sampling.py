@@ -93,8 +93,8 @@ def batched_filter_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor,
 
 
 def draw_for_requests(logits: torch.Tensor, counts: list[int], params: list,
-                      generators: list, max_probability: bool = False
-                      ) -> tuple[torch.Tensor, torch.Tensor]:
+                      generators: list, max_probability: bool = False,
+                      with_entropy: bool = False) -> tuple[torch.Tensor, ...]:
     """Temperature, top-k / top-p and the draw for the rows of several requests at once.
     logits: [n, V] float32 (the earlier stages applied), request i owns the next
     ``counts[i]`` rows; ``params[i]`` its sampling parameters (temperature, top_k, top_p)
@@ -102,11 +102,15 @@ def draw_for_requests(logits: torch.Tensor, counts: list[int], params: list,
     are filtered together and drawn per request, with its own generator, in request order
     (so a seeded request draws exactly as when proposed alone). A sampled row's confidence
     is the drawn token's probability in the filtered distribution, or with
-    ``max_probability`` that distribution's largest probability."""
-    confidence, tokens = logits.softmax(dim=-1).max(dim=-1)
+    ``max_probability`` that distribution's largest probability. With ``with_entropy`` a
+    third tensor [n]: each row's entropy (nats) of the distribution it proposed from."""
+    probs = logits.softmax(dim=-1)
+    confidence, tokens = probs.max(dim=-1)
+    entropy = torch.special.entr(probs).sum(dim=-1) if with_entropy else None
+    del probs
     sampled = [i for i, p in enumerate(params) if p.temperature >= _GREEDY_EPS]
     if not sampled:
-        return tokens, confidence
+        return (tokens, confidence, entropy) if with_entropy else (tokens, confidence)
     starts = [0]
     for count in counts:
         starts.append(starts[-1] + count)
@@ -132,5 +136,7 @@ def draw_for_requests(logits: torch.Tensor, counts: list[int], params: list,
         tokens[rows_device[offset:offset + len(span)]] = drawn.squeeze(1)
         chosen = part.max(dim=1).values if max_probability else part.gather(1, drawn).squeeze(1)
         confidence[rows_device[offset:offset + len(span)]] = chosen
+        if with_entropy:
+            entropy[rows_device[offset:offset + len(span)]] = torch.special.entr(part).sum(dim=1)
         offset += len(span)
-    return tokens, confidence
+    return (tokens, confidence, entropy) if with_entropy else (tokens, confidence)
