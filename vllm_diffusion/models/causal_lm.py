@@ -19,81 +19,51 @@ from vllm_diffusion.models.layer_segments import segments_for
 from vllm_diffusion.models.step_run import StepRun
 
 
-def pre_norm_attention_inputs(layer: nn.Module, attention: nn.Module,
-                              positions: torch.Tensor, hidden: torch.Tensor,
-                              residual: torch.Tensor | None
-                              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The first half of a pre-norm residual layer: ``input_layernorm`` (vLLM's fused
-    add-and-norm) and the attention's projections. Returns (q, k, v, residual)."""
-    if residual is None:
-        residual = hidden
-        hidden = layer.input_layernorm(hidden)
-    else:
-        hidden, residual = layer.input_layernorm(hidden, residual)
-    q, k, v = attention.project(positions, hidden)
-    return q, k, v, residual
-
-
-def pre_norm_attention_output(layer: nn.Module, attention: nn.Module, q: torch.Tensor,
-                              k: torch.Tensor, v: torch.Tensor, residual: torch.Tensor
-                              ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The second half: attention, ``post_attention_layernorm``, ``mlp``. Returns
-    (hidden, residual)."""
-    hidden = attention.attend(q, k, v)
-    hidden, residual = layer.post_attention_layernorm(hidden, residual)
-    return layer.mlp(hidden), residual
-
-
-def pre_norm_layer(layer: nn.Module, attention: nn.Module, positions: torch.Tensor,
-                   hidden: torch.Tensor, residual: torch.Tensor | None, run: StepRun | None
-                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """A pre-norm residual layer (the two halves above) with the run's hook points; the
-    layer of a family with this order calls it from its ``forward``. Returns
-    (positions, hidden, residual) of the rows that continue."""
-    index = layer.layer_index
-    q, k, v, residual = pre_norm_attention_inputs(layer, attention, positions, hidden,
-                                                  residual)
-    if run is not None:
-        q, residual, positions = run.before_attention(index, attention, q, k, residual,
-                                                      positions)
-    hidden, residual = pre_norm_attention_output(layer, attention, q, k, v, residual)
-    if run is not None:
-        run.after_attention(index)
-    if run is not None and run.wants_output(index):
-        hidden, residual, positions = run.after_output(index, hidden + residual, hidden,
-                                                       residual, positions)
-    return positions, hidden, residual
-
-
 class PreNormHalves:
-    """A pre-norm layer's two halves around its attention (``attention_module``, which the
-    family's layer names), for the compiled pieces of a forward with hooks
-    (``layer_segments``)."""
+    """A pre-norm residual layer (``input_layernorm`` -> attention ->
+    ``post_attention_layernorm`` -> ``mlp``, vLLM's fused add-and-norm) in its two halves
+    around the attention (``attention_module``, which the family's layer names). A step
+    without hooks runs ``forward``; a step with hooks runs the halves, its hook points
+    between them (``layer_segments``)."""
 
     attention_module: nn.Module
 
     def attention_inputs(self, positions: torch.Tensor, hidden: torch.Tensor,
-                         residual: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
-        return pre_norm_attention_inputs(self, self.attention_module, positions, hidden,
-                                         residual)
+                         residual: torch.Tensor | None
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The norm and the attention's projections; returns (q, k, v, residual)."""
+        if residual is None:
+            residual = hidden
+            hidden = self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        q, k, v = self.attention_module.project(positions, hidden)
+        return q, k, v, residual
 
     def attention_output(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                          residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return pre_norm_attention_output(self, self.attention_module, q, k, v, residual)
+        """The attention, the norm and the MLP; returns (hidden, residual)."""
+        hidden = self.attention_module.attend(q, k, v)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor,
+                residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.attention_output(*self.attention_inputs(positions, hidden, residual))
 
 
 def run_layers(model: nn.Module, input_ids: torch.Tensor, positions: torch.Tensor,
                run: StepRun | None) -> torch.Tensor:
     """Embedding, the decoder layers, the final norm (no pipeline parallelism). With a run,
     the layers between its hook points run as pieces (``layer_segments``; compiled unless
-    the engine is eager)."""
+    the engine is eager), the hooks between them."""
     hidden, residual = model.embed_input_ids(input_ids), None
-    layers = list(islice(model.layers, model.start_layer, model.end_layer))
+    layers = islice(model.layers, model.start_layer, model.end_layer)
     if run is None:
         for layer in layers:
-            positions, hidden, residual = layer(positions, hidden, residual, None)
+            hidden, residual = layer(positions, hidden, residual)
     else:
-        segments = segments_for(model, layers, run.declared, run.compiled)
+        segments = segments_for(model, list(layers), run.declared, run.compiled)
         positions, hidden, residual = segments.run(run, positions, hidden)
     hidden, _ = model.norm(hidden, residual)
     return hidden

@@ -40,8 +40,7 @@ from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmb
 from vllm.model_executor.models.utils import WeightsMapper, extract_layer_index, make_layers
 
 from vllm_diffusion.models.attention_heads import init_block_diffusion_heads
-from vllm_diffusion.models.causal_lm import (DiffusionCausalLM, PreNormHalves, pre_norm_layer,
-                                             run_layers)
+from vllm_diffusion.models.causal_lm import DiffusionCausalLM, PreNormHalves, run_layers
 from vllm_diffusion.models.step_run import StepRun
 
 
@@ -177,15 +176,10 @@ class LLaDA2DecoderLayer(PreNormHalves, nn.Module):
         else:
             self.mlp = LLaDA2MLP(config, config.intermediate_size, vllm_config, f"{prefix}.mlp")
 
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor,
-                residual: torch.Tensor | None, run: StepRun | None
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The published pre-norm order; returns (positions, hidden, residual) of the rows
-        that continue."""
-        return pre_norm_layer(self, self.attention, positions, hidden, residual, run)
 
     @property
     def attention_module(self) -> nn.Module:
+        """The attention of its layer body (``PreNormHalves``: The published pre-norm order)."""
         return self.attention
 
 

@@ -26,8 +26,7 @@ from vllm.model_executor.models.utils import PPMissingLayer, extract_layer_index
 from vllm.transformers_utils.config import set_default_rope_theta
 
 from vllm_diffusion.models.attention_heads import init_block_diffusion_heads
-from vllm_diffusion.models.causal_lm import (DiffusionCausalLM, PreNormHalves, pre_norm_layer,
-                                             run_layers)
+from vllm_diffusion.models.causal_lm import DiffusionCausalLM, PreNormHalves, run_layers
 from vllm_diffusion.models.step_run import StepRun
 
 
@@ -98,15 +97,10 @@ class SDARDecoderLayer(PreNormHalves, nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
 
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor,
-                residual: torch.Tensor | None, run: StepRun | None
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Qwen3's pre-norm order; returns (positions, hidden, residual) of the rows that
-        continue."""
-        return pre_norm_layer(self, self.self_attn, positions, hidden, residual, run)
 
     @property
     def attention_module(self) -> nn.Module:
+        """The attention of its layer body (``PreNormHalves``: Qwen3's pre-norm order)."""
         return self.self_attn
 
 

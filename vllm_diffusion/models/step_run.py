@@ -1,8 +1,11 @@
-"""The model contract: how a family's decoder layer runs a diffusion step's hooks.
+"""The model contract: how a diffusion step's hooks run between a family's layer halves.
 
-Each family's layer owns its forward (its residual and norm order) and takes the step's
-run object, ``StepRun``, or None. With None (a step without hooks, which vLLM may
-compile) the layer is plain. With a run, the layer calls its hook points, in this order:
+Each family's decoder layer owns its body in two halves around its attention
+(``attention_inputs`` -> q, k, v and ``attention_output`` -> hidden; pre-norm families
+inherit both from ``causal_lm.PreNormHalves``) and names its ``attention_module``. A step
+without hooks runs the layers plainly (vLLM may compile the forward); a step with hooks
+runs the halves as pieces (``layer_segments``), which call the run's hook points, in this
+order:
 
 - ``run.before_attention(layer, attention, q, k, *carried)``: after the layer's queries,
   keys and values (after q/k-norm and RoPE) and before its attention. The hooks of that

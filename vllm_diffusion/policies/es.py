@@ -190,6 +190,7 @@ class EsHooks(StepHooks):
         self.alpha = torch.tensor([c.alpha for c in self.configs])
         self.skipping = torch.tensor([not state.full_step for state in self.states])
         self.num_computed = [len(s.block_positions) for s in self.requests]
+        self.uses_bonuses = torch.tensor([c.priority_bonuses for c in self.configs])
         if bool(self.skipping.any()):
             # [R, B] (host): positions masked, each one's confidence at its last step, and
             # the importance bonus of each (0 without the authors' bonuses)
@@ -197,6 +198,8 @@ class EsHooks(StepHooks):
                                        for s in self.requests])
             self.confidence = torch.stack([state.confidence for state in self.states])
             self.bonus = self._fixed_bonuses()
+            # positions each block's previous step decoded (the keep floor's d)
+            self.decoded_counts = [int(s.decoded_last_step.sum()) for s in self.states]
         # Per block, its computed positions still in the forward (indices into them).
         self.alive = [torch.arange(len(s.block_positions)) for s in self.requests]
 
@@ -204,7 +207,7 @@ class EsHooks(StepHooks):
         """[R, B] the bonuses that do not depend on the layer: leftmost masked position,
         positions decoded by the previous step."""
         bonus = torch.zeros(self.masked.shape)
-        uses = torch.tensor([c.priority_bonuses for c in self.configs])
+        uses = self.uses_bonuses
         has_mask = self.masked.any(dim=1) & uses
         leftmost = self.masked.int().argmax(dim=1)  # the first masked position
         rows = torch.nonzero(has_mask).flatten()
@@ -238,7 +241,7 @@ class EsHooks(StepHooks):
             output, previous, segment.to(device), count).cpu())
         importance += self.bonus[segment, positions]
         starts = torch.cumsum(sizes, 0) - sizes
-        uses = torch.tensor([c.priority_bonuses for c in self.configs])
+        uses = self.uses_bonuses
         top_two = (rank_in_segment(confidence, segment, starts) < 2) & (
             uses & (self.alpha > 0.0))[segment]
         importance += top_two * TOP_CONFIDENCE_BONUS
@@ -250,8 +253,8 @@ class EsHooks(StepHooks):
         importance[best] = float("inf")
         depth = self.depth[layer]
         keep_counts = torch.tensor([
-            keep_count(n, depth, c.skip_ratio, int(s.decoded_last_step.sum()), c.keep_floor)
-            for n, c, s in zip(self.num_computed, self.configs, self.states)])
+            keep_count(n, depth, c.skip_ratio, decoded, c.keep_floor)
+            for n, c, decoded in zip(self.num_computed, self.configs, self.decoded_counts)])
         continuing = ((rank_in_segment(importance, segment, starts) < keep_counts[segment])
                       | ~self.skipping[segment])
         # The caches of the positions that continue (the authors' update rule).

@@ -49,6 +49,13 @@ class ProposalBatch:
     # per request, (prompt token ids, output token ids so far: the committed output and
     # the current block's filled output positions); None where no request has penalties
     seen_tokens: list[tuple[list[int], list[int]]] | None = None
+    spans: list[slice] = dataclasses.field(init=False)  # each request's rows
+
+    def __post_init__(self) -> None:
+        self.spans, start = [], 0
+        for count in self.counts:
+            self.spans.append(slice(start, start + count))
+            start += count
 
 
 def has_penalties(params) -> bool:
@@ -61,19 +68,10 @@ def has_penalties(params) -> bool:
 LogitStage = Callable[[ProposalBatch], None]
 
 
-def request_spans(counts: list[int]) -> list[slice]:
-    """Each request's rows of the batch."""
-    spans, start = [], 0
-    for count in counts:
-        spans.append(slice(start, start + count))
-        start += count
-    return spans
-
-
 def allowed_token_ids(batch: ProposalBatch) -> None:
     """A request's ``allowed_token_ids``: every computed position of its block may propose
     only those tokens (admission refuses a list holding only the mask token)."""
-    for rows, params in zip(request_spans(batch.counts), batch.params):
+    for rows, params in zip(batch.spans, batch.params):
         allowed = getattr(params, "allowed_token_ids", None)
         if allowed is None or rows.start == rows.stop:
             continue
@@ -87,7 +85,7 @@ def min_tokens(batch: ProposalBatch) -> None:
     """A request's ``min_tokens``: its stop tokens (end of sequence and
     ``stop_token_ids``, as vLLM's processor takes them) are barred at every position whose
     index in the output is below the minimum, so no stop lands before it."""
-    for rows, params in zip(request_spans(batch.counts), batch.params):
+    for rows, params in zip(batch.spans, batch.params):
         minimum = getattr(params, "min_tokens", 0) or 0
         stops = sorted(getattr(params, "all_stop_token_ids", None) or ())
         if not minimum or not stops or rows.start == rows.stop:
@@ -105,8 +103,10 @@ def penalties(batch: ProposalBatch) -> None:
     the negative ones) of every token in the prompt or the output; ``frequency_penalty``
     subtracts f times a token's count in the output, ``presence_penalty`` p once if it is
     there. The output is the committed tokens plus the current block's filled output
-    positions (a filled position's own token counts too)."""
-    for index, (rows, params) in enumerate(zip(request_spans(batch.counts), batch.params)):
+    positions (a filled position's own token counts too). vLLM's ``apply_penalties`` takes
+    one row per sequence and counts tokens into [rows, V] tensors; here a request's
+    history is counted once ([V]) for all its rows, which keeps the logits budget."""
+    for index, (rows, params) in enumerate(zip(batch.spans, batch.params)):
         if rows.start == rows.stop or not has_penalties(params):
             continue
         prompt_ids, output_ids = batch.seen_tokens[index]
@@ -131,7 +131,7 @@ def logit_bias(batch: ProposalBatch) -> None:
     """A request's ``logit_bias`` ({token id: bias}) added to the raw logits of every
     computed position of its block (before temperature, as vLLM's sampler does), so it
     moves both the proposal and its confidence."""
-    for rows, params in zip(request_spans(batch.counts), batch.params):
+    for rows, params in zip(batch.spans, batch.params):
         bias = getattr(params, "logit_bias", None)
         if not bias or rows.start == rows.stop:
             continue

@@ -280,11 +280,12 @@ class DiffusionRunnerMixin:
             return {}, {}
         block_size, mask_id = self.diffusion.block_size, self.diffusion.mask_token_id
         states = [self.requests[b.rows.req_id] for b in blocks]
-        # Each row's index in its request's output: block start + position - prompt length.
-        first_output = torch.tensor([b.rows.canvas.start - len(s.prompt_token_ids)
-                                     for b, s in zip(blocks, states)])
-        output_index = first_output[where[:, 0]] + where[:, 1]
-        seen_tokens = None
+        output_index = seen_tokens = None
+        if any(s.sampling_params.min_tokens for s in states):
+            # Each row's index in its request's output: block start + position - prompt.
+            first_output = torch.tensor([b.rows.canvas.start - len(s.prompt_token_ids)
+                                         for b, s in zip(blocks, states)])
+            output_index = first_output[where[:, 0]] + where[:, 1]
         if any(has_penalties(s.sampling_params) for s in states):
             seen_tokens = [seen_by(b.rows.canvas, s, mask_id) for b, s in zip(blocks, states)]
         requests = [b.rows.request for b in blocks]
