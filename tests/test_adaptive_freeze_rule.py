@@ -10,13 +10,15 @@ from reference_early_skip import ada_freeze
 from vllm_diffusion.policies.ada import (batched_freeze_positions,
                                                      capacity_count, freeze_positions)
 
-# (block size, masked positions per block, history length, capacity)
+# (block size, masked positions per block, history length, capacity, confidence floor)
 GRID = {
-    "b4-all-masked-h3": (4, [4, 3, 1, 0], 3, 0.15),
-    "b16-mixed-h3": (16, [16, 9, 2, 1], 3, 0.15),
-    "b32-capacity-half": (32, [32, 20, 5, 3], 3, 0.5),
-    "b32-capacity-one": (32, [32, 7, 2, 1], 2, 1.0),
-    "b64-h1": (64, [64, 33, 17, 1], 1, 0.15),
+    "b4-all-masked-h3": (4, [4, 3, 1, 0], 3, 0.15, 0.0),
+    "b16-mixed-h3": (16, [16, 9, 2, 1], 3, 0.15, 0.0),
+    "b16-mixed-h3-floor": (16, [16, 9, 2, 1], 3, 0.15, 0.6),
+    "b32-capacity-half": (32, [32, 20, 5, 3], 3, 0.5, 0.0),
+    "b32-capacity-half-floor-high": (32, [32, 20, 5, 3], 3, 0.5, 0.95),
+    "b32-capacity-one": (32, [32, 7, 2, 1], 2, 1.0, 0.0),
+    "b64-h1": (64, [64, 33, 17, 1], 1, 0.15, 0.0),
 }
 
 
@@ -34,17 +36,20 @@ def random_blocks(block: int, counts: list[int], history: int, seed: int):
 
 @pytest.mark.parametrize("name", GRID)
 def test_batched_freeze_equals_the_per_block_rule_and_the_reference(name):
-    block, counts, history, capacity = GRID[name]
+    block, counts, history, capacity, floor = GRID[name]
     for seed in range(5):
         confidence, masked, trajectory = random_blocks(block, counts, history, seed)
         batched = batched_freeze_positions(confidence, masked, trajectory,
                                            torch.full((len(counts),), capacity,
+                                                      dtype=torch.float64),
+                                           torch.full((len(counts),), floor,
                                                       dtype=torch.float64))
         for row in range(len(counts)):
-            single = freeze_positions(confidence[row], masked[row], trajectory[row], capacity)
+            single = freeze_positions(confidence[row], masked[row], trajectory[row], capacity,
+                                      floor)
             assert torch.equal(batched[row], single)
             want = ada_freeze(confidence[row].tolist(), masked[row].tolist(),
-                              trajectory[row].tolist(), capacity)
+                              trajectory[row].tolist(), capacity, floor)
             assert single.tolist() == want
             if counts[row]:
                 assert bool(single.any()) and not bool((single & ~masked[row]).any())

@@ -142,18 +142,18 @@ def test_es_on_moe_equals_the_es_reference(moe_checkpoint):
                                                skip_layers=(0,), **options)
 
 
-@pytest.mark.parametrize("block_size,capacity,history,cache,freeze_rule", [
-    (8, 0.15, 3, True, "after_recompute"), (16, 0.15, 3, True, "after_recompute"),
-    (16, 0.5, 1, True, "after_recompute"), (4, 1.0, 3, True, "after_recompute"),
-    (16, 0.15, 3, False, "after_recompute"), (16, 0.15, 3, True, "after_neighbour"),
-    (8, 0.3, 2, True, "immediate")])
+@pytest.mark.parametrize("block_size,capacity,history,cache,freeze_rule,floor", [
+    (8, 0.15, 3, True, "after_recompute", 0.0), (16, 0.15, 3, True, "after_recompute", 0.0),
+    (16, 0.5, 1, True, "after_recompute", 0.4), (4, 1.0, 3, True, "after_recompute", 0.0),
+    (16, 0.15, 3, False, "after_recompute", 0.0),
+    (16, 0.15, 3, True, "after_neighbour", 0.0), (8, 0.3, 2, True, "immediate", 0.0)])
 def test_ada_equals_the_ada_reference(four_layer_checkpoint, block_size, capacity, history,
-                                      cache, freeze_rule):
+                                      cache, freeze_rule, floor):
     checkpoint = four_layer_checkpoint
     mask_id, stops, vocab_size = checkpoint_info(checkpoint)
     prompts = make_prompts(block_size, vocab_size, stops | {mask_id}, seed=60 + block_size)
     options = {"capacity": capacity, "history": history, "intra_block_cache": cache,
-               "freeze_rule": freeze_rule}
+               "freeze_rule": freeze_rule, "confidence_floor": floor}
     got, stats = run(checkpoint, block_size, prompts, "ada", options, 3 * block_size)
     reference = ReferenceSDAR(checkpoint)
     for prompt, tokens in zip(prompts, got):
