@@ -134,6 +134,11 @@ class GenerationTrace:
     output_ids: list[int]
     steps_per_block: list[int]  # denoising forwards run for each block, in order
     step_map: list[int]  # per output token: the denoising forward (0-based) that unmasked it
+    # per output token: log-softmax of the model's raw logits (mask token included) at the
+    # forward that unmasked it, and the 2 most likely tokens there (the plugin's definition
+    # of a diffusion token's logprob; the published loop returns none)
+    logprobs: list[float] = dataclasses.field(default_factory=list)
+    top2: list[list[int]] = dataclasses.field(default_factory=list)
 
 
 def transfer_quotas(block_size: int, steps: int) -> list[int]:
@@ -203,16 +208,21 @@ def reference_generate_trace(
     output: list[int] = []
     steps_per_block: list[int] = []
     step_map: list[int] = []
+    logprobs: list[float] = []
+    top2: list[list[int]] = []
     forwards = 0
     while len(output) < max_tokens:
         num_steps = 0
         decoded_at = torch.full((block_size,), -1)
+        logprob_at = torch.zeros(block_size)
+        top2_at = torch.zeros(block_size, 2, dtype=torch.long)
         for s in range(steps):
             masked = block == mask_id  # [B]
             if not masked.any():
                 break
             tokens = torch.cat((torch.tensor(committed, dtype=torch.long), block))
             logits = model.forward(tokens, block_causal_mask(len(tokens), block_size))[-block_size:]  # [B, V]
+            raw = logits.float().log_softmax(dim=-1)
             logits[:, mask_id] = float("-inf")
             probs = logits.float().softmax(dim=-1)
             x0 = probs.argmax(dim=-1)  # [B]
@@ -222,6 +232,8 @@ def reference_generate_trace(
             chosen = select_positions(strategy, confidence, masked, quotas[s], threshold, last_step)
             block = torch.where(chosen, x0, block)
             decoded_at[chosen] = forwards
+            logprob_at[chosen] = raw.gather(1, x0[:, None]).squeeze(1)[chosen]
+            top2_at[chosen] = raw.topk(2, dim=-1).indices[chosen]
             forwards += 1
             num_steps += 1
         if (block == mask_id).any():
@@ -234,6 +246,8 @@ def reference_generate_trace(
                 continue
             output.append(token)
             step_map.append(int(decoded_at[position - block_start]))
+            logprobs.append(float(logprob_at[position - block_start]))
+            top2.append(top2_at[position - block_start].tolist())
             if token in stop_token_ids or len(output) == max_tokens:
                 finished = True
                 break
@@ -242,7 +256,8 @@ def reference_generate_trace(
         committed.extend(block.tolist())
         block_start += block_size
         block = torch.full((block_size,), mask_id)
-    return GenerationTrace(output_ids=output, steps_per_block=steps_per_block, step_map=step_map)
+    return GenerationTrace(output_ids=output, steps_per_block=steps_per_block, step_map=step_map,
+                           logprobs=logprobs, top2=top2)
 
 
 def reference_generate(

@@ -46,10 +46,10 @@ def test_allowed_token_ids_and_logit_bias_apply_to_every_row_of_their_request():
     assert torch.allclose(second[:, 3], logits[3:5, 3] + 50.0)
     assert torch.allclose(second[:, 4], logits[3:5, 4] - 1.5)
     assert torch.equal(second[:, :3], logits[3:5, :3]) and torch.equal(third, logits[5:])
-    tokens, _ = proposal.ProposalPipeline(mask_token_id=0).propose(
+    tokens = proposal.ProposalPipeline(mask_token_id=0).propose(
         logits.clone(), [3, 2, 2], [types.SimpleNamespace(temperature=0.0, top_k=0, top_p=1.0,
                                                           **vars(p)) for p in params],
-        [None] * 3)
+        [None] * 3).tokens
     assert set(tokens[:3].tolist()) <= {2, 5} and tokens[3:5].tolist() == [3, 3]
 
 

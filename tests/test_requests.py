@@ -45,8 +45,7 @@ def test_empty_and_too_long_prompts_are_rejected(llm):
 
 
 @pytest.mark.parametrize("params, name", [
-    ({"logprobs": 2}, "logprobs"),
-    ({"bad_words": ["hello"]}, "bad_words"),
+    ({"prompt_logprobs": 1}, "prompt_logprobs"),
     ({"structured_outputs": StructuredOutputsParams(regex="a+")}, "structured_outputs"),
 ])
 def test_unsupported_sampling_parameters_are_rejected(llm, params, name):

@@ -119,9 +119,9 @@ def test_chunked_logits_give_the_same_proposals(name, max_rows):
     shapes.clear()
     chunked = ProposalPipeline(MASK, max_rows=max_rows).propose_from_hidden(
         compute_logits, hidden, counts, params, generators())
-    assert torch.equal(chunked[0], whole[0])
+    assert torch.equal(chunked.tokens, whole.tokens)
     # a matmul over fewer rows may round differently in the last bit
-    torch.testing.assert_close(chunked[1], whole[1], rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(chunked.confidence, whole.confidence, rtol=1e-6, atol=1e-7)
     assert sum(shapes) == sum(counts)
     assert max(shapes) <= max(max_rows, max(counts))
 
@@ -155,10 +155,11 @@ def test_proposal_entropies_are_of_the_distribution_proposed_from():
 
     from vllm_diffusion.worker.proposal import ProposalPipeline
 
-    tokens, confidence, entropy = ProposalPipeline(MASK).propose(
-        logits.clone(), counts, batch_params, generators(), with_entropy=True)
+    result = ProposalPipeline(MASK).propose(logits.clone(), counts, batch_params, generators(),
+                                            with_entropy=True)
+    tokens, confidence, entropy = result.tokens, result.confidence, result.entropy
     plain = ProposalPipeline(MASK).propose(logits.clone(), counts, batch_params, generators())
-    assert torch.equal(tokens, plain[0]) and torch.equal(confidence, plain[1])
+    assert torch.equal(tokens, plain.tokens) and torch.equal(confidence, plain.confidence)
     greedy = logits[:3].clone()
     greedy[:, MASK] = float("-inf")
     probs = greedy.softmax(dim=-1)

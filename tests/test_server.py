@@ -107,8 +107,8 @@ def test_invalid_option_is_a_400_and_the_server_keeps_serving(server):
     assert response.status_code == 400
     assert "option 'threshold' must be float in [0.0, 1.0]" in response.json()["error"]["message"]
     response = requests.post(f"{server['url']}/v1/completions", timeout=30, json={
-        "model": server["model"], "prompt": "hi", "max_tokens": 4, "logprobs": 2})
-    assert response.status_code == 400 and "logprobs" in response.text
+        "model": server["model"], "prompt": "hi", "max_tokens": 4, "prompt_logprobs": 2})
+    assert response.status_code == 400 and "prompt_logprobs" in response.text
     ok = requests.post(f"{server['url']}/v1/chat/completions", json=chat_body(server), timeout=60)
     assert ok.status_code == 200
 
@@ -140,3 +140,46 @@ def test_client_disconnect_mid_stream_frees_the_request(server):
     assert requests.post(f"{server['url']}/v1/chat/completions", json=chat_body(server),
                          timeout=60).status_code == 200
 
+
+
+def test_logprobs_streamed_and_not_and_bad_words_through_the_server(server):
+    """logprobs and top_logprobs in chat and completions, streamed and not: one entry per
+    returned token, the same values either way; a bad word never appears in the output."""
+    body = chat_body(server, logprobs=True, top_logprobs=2, vllm_xargs=SEQUENTIAL)
+    whole = requests.post(f"{server['url']}/v1/chat/completions", json=body, timeout=60).json()
+    entries = whole["choices"][0]["logprobs"]["content"]
+    assert len(entries) == whole["usage"]["completion_tokens"] == 12
+    assert all(len(e["top_logprobs"]) == 2 and e["logprob"] <= 0 for e in entries)
+    streamed = []
+    with requests.post(f"{server['url']}/v1/chat/completions", json={**body, "stream": True},
+                       stream=True, timeout=60) as response:
+        for line in response.iter_lines():
+            if line.startswith(b"data: ") and line != b"data: [DONE]":
+                choice = json.loads(line[6:])["choices"][0]
+                streamed += (choice.get("logprobs") or {}).get("content") or []
+    assert [e["logprob"] for e in streamed] == pytest.approx([e["logprob"] for e in entries])
+    completion = requests.post(f"{server['url']}/v1/completions", timeout=60, json={
+        "model": server["model"], "prompt": "The river", "max_tokens": 6, "temperature": 0,
+        "ignore_eos": True, "logprobs": 1}).json()
+    assert len(completion["choices"][0]["logprobs"]["token_logprobs"]) == 6
+    text = whole["choices"][0]["message"]["content"]
+    word = text.strip().split()[0] if text.strip() else "the"
+    banned = requests.post(f"{server['url']}/v1/chat/completions", timeout=60,
+                           json=chat_body(server, bad_words=[word])).json()
+    assert word not in banned["choices"][0]["message"]["content"].split()
+
+
+def test_beam_search_and_generative_scoring_run_on_token_logprobs(server):
+    """vLLM's beam search (one-token generations with logprobs=2 x width) and the
+    generative-scoring endpoint (logprob_token_ids) run on the plugin's per-token
+    logprobs."""
+    beams = requests.post(f"{server['url']}/v1/completions", timeout=120, json={
+        "model": server["model"], "prompt": "The river", "max_tokens": 3,
+        "use_beam_search": True, "n": 2})
+    assert beams.status_code == 200, beams.text
+    assert len(beams.json()["choices"]) == 2
+    scored = requests.post(f"{server['url']}/generative_scoring", timeout=60, json={
+        "model": server["model"], "query": "The river", "items": ["a", "b"],
+        "label_token_ids": [36, 37]})
+    assert scored.status_code == 200, scored.text
+    assert "error" not in scored.json()

@@ -75,7 +75,8 @@ CATALOGUE = [
     ({"top_p": NAN}, "top_p"),
     ({"seed": 2**70}, "seed"),
     ({"max_tokens": -1}, "max_tokens"),
-    ({"logprobs": True}, "logprobs"),
+    ({"logprobs": True, "top_logprobs": 30}, "logprobs"),
+    ({"echo": True}, "echo"),
     ({"min_tokens": -1}, "min_tokens"),
     ({"frequency_penalty": 5.0}, "frequency_penalty"),
 ]
@@ -149,7 +150,8 @@ def test_focus_server_reports_fewer_positions_after_eviction(server):
 
 def test_sigterm_with_streams_in_flight_ends_every_stream(dense_checkpoint, tmp_path):
     """SIGTERM under load: every open stream ends promptly (an error chunk or a closed
-    connection) and the server exits, instead of waiting for clients to give up."""
+    connection), every unfinished plain request gets HTTP 503 "shutting down", and the
+    server exits, instead of waiting for clients to give up."""
     with vllm_server_process(dense_checkpoint, "--diffusion-policy", "focus",
                              "--enforce-eager", "--max-model-len", "512",
                              "--additional-config", json.dumps({"diffusion_block_size": 16}),
@@ -171,11 +173,22 @@ def test_sigterm_with_streams_in_flight_ends_every_stream(dense_checkpoint, tmp_
                             started.wait()
             return time.monotonic()
 
-        with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        def plain(i: int) -> requests.Response:
+            body = chat_body(server, max_tokens=400, vllm_xargs={"strategy": "sequential"})
+            body["messages"][0]["content"] += f" plain {i}"
+            return requests.post(f"{url}/v1/chat/completions", json=body, timeout=(10, 30))
+
+        with concurrent.futures.ThreadPoolExecutor(12) as pool:
             futures = [pool.submit(stream, i) for i in range(8)]
+            plains = [pool.submit(plain, i) for i in range(3)]
             started.wait()
+            time.sleep(0.5)  # the plain requests are in the engine too
             signalled = time.monotonic()
             process.send_signal(signal.SIGTERM)
             ended = [f.result() - signalled for f in futures]
+            answers = [f.result() for f in plains]
         assert process.wait(timeout=30) is not None
     assert max(ended) < 10, ended
+    for answer in answers:
+        assert answer.status_code == 503, answer.text
+        assert "shutting down" in answer.json()["error"]["message"]

@@ -22,17 +22,16 @@ _SEED_RANGE = (-(2**63), 2**64 - 1)
 
 # (attribute, predicate saying the value is in use, why it is not supported)
 _UNSUPPORTED: tuple[tuple[str, Any, str], ...] = (
-    ("logprobs", lambda v: v is not None,
-     "sample logprobs; vLLM also asks for them for use_beam_search and the scoring "
-     "endpoints"),
     ("prompt_logprobs", lambda v: v is not None,
-     "prompt logprobs; vLLM also asks for them for a chat request with echo and "
-     "logprobs"),
-    ("logprob_token_ids", lambda v: v is not None, "logprob_token_ids"),
-    ("structured_outputs", lambda v: v is not None, "guided/structured decoding"),
-    ("bad_words", lambda v: bool(v), "bad_words"),
-    ("thinking_token_budget", lambda v: v is not None, "thinking_token_budget"),
-    ("trace_decode_token_ids", lambda v: v is not None, "trace_decode_token_ids"),
+     "a masked-prediction model has no next-token distribution over its prompt. A chat "
+     "request with echo=true asks for them too (vLLM sets prompt_logprobs to top_logprobs "
+     "when echo is set): remove prompt_logprobs, or echo"),
+    ("structured_outputs", lambda v: v is not None,
+     "guided/structured decoding is not implemented for block decoding"),
+    ("thinking_token_budget", lambda v: v is not None,
+     "a thinking budget needs a reasoning parser's token-by-token end marker"),
+    ("trace_decode_token_ids", lambda v: v is not None,
+     "decode traces are autoregressive; use the diffusion step map (return_step_map)"),
 )
 
 
@@ -57,8 +56,7 @@ def validate_sampling_params(params: Any, config: DiffusionEngineConfig) -> None
         value = getattr(params, name, None)
         if value is not None and in_use(value):
             raise VLLMValidationError(
-                f"{name}={shown(value)} is not supported by block-diffusion decoding "
-                f"({what} cannot be honoured by the vllm-diffusion engine); remove it",
+                f"{name}={shown(value)} is not supported by block-diffusion decoding: {what}",
                 parameter=name, value=shown(value),
             )
     allowed = params.allowed_token_ids

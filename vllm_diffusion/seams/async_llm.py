@@ -2,16 +2,34 @@
 14). vLLM's ``AsyncLLM.shutdown`` stops the engine and cancels its output handler without
 telling the requests still streaming, so each stream (and with it uvicorn's graceful
 shutdown) waits until its client gives up. The wrapper ends every in-flight request with
-``EngineDeadError`` once the engine is down."""
+a 503 error once the engine is down, and in vLLM's default abort mode
+(``--shutdown-timeout 0``) before the engine aborts them, which would answer a plain request
+with a 200 holding a partial output and finish_reason "abort": vLLM's error handling
+answers it with HTTP 503 "the server is shutting down" (a stream gets it as its error
+chunk), without the traceback an engine failure logs. In drain mode the requests finish
+first; those the drain leaves get the 503."""
 
 from __future__ import annotations
+
+import asyncio
+import contextlib
 
 from vllm_diffusion.seams._wrapping import first_wrap, serves_diffusion_model
 
 
+def shutting_down_error():
+    """An exception vLLM's API server turns into HTTP 503 (a ``GracefulHTTPError``: raised
+    through ``AsyncLLM.generate`` as is, answered with its status, no traceback)."""
+    from http import HTTPStatus
+
+    from vllm.exceptions import GracefulHTTPError
+
+    return GracefulHTTPError("the server is shutting down; the request was not finished, "
+                             "retry it on another instance", HTTPStatus.SERVICE_UNAVAILABLE)
+
+
 def install() -> None:
     from vllm.v1.engine.async_llm import AsyncLLM
-    from vllm.v1.engine.exceptions import EngineDeadError
 
     if not first_wrap(AsyncLLM):
         return
@@ -20,16 +38,39 @@ def install() -> None:
     def fail_in_flight_requests(engine) -> None:
         # On the event loop's thread: the request queues are asyncio objects.
         if engine.output_processor.request_states:
-            engine.output_processor.propagate_error(EngineDeadError(
-                "the server is shutting down; the request was not finished"))
+            engine.output_processor.propagate_error(shutting_down_error())
 
-    def shutdown_and_end_in_flight_requests(self, *args, **kwargs):
-        handler = getattr(self, "output_handler", None)
-        shutdown(self, *args, **kwargs)
-        if handler is None or not serves_diffusion_model(self.vllm_config):
-            return
+    def on_loop(engine, handler) -> None:
+        """``fail_in_flight_requests`` on the handler's loop, done when this returns."""
         loop = handler.get_loop()
-        if not loop.is_closed():
-            loop.call_soon_threadsafe(fail_in_flight_requests, self)
+        if loop.is_closed():
+            return
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        if running is loop:
+            fail_in_flight_requests(engine)
+            return
+
+        async def fail() -> None:
+            fail_in_flight_requests(engine)
+
+        with contextlib.suppress(Exception):
+            asyncio.run_coroutine_threadsafe(fail(), loop).result(timeout=5)
+
+    def shutdown_and_end_in_flight_requests(self, timeout: float | None = None):
+        handler = getattr(self, "output_handler", None)
+        ours = handler is not None and serves_diffusion_model(self.vllm_config)
+        if ours and not timeout:
+            # Abort mode (vLLM's default, shutdown_timeout 0): answer 503 before the
+            # engine aborts the requests, which would end them as a 200 with
+            # finish_reason "abort".
+            on_loop(self, handler)
+        shutdown(self, timeout=timeout)
+        if ours:
+            # What a drain left unfinished, and requests the cancelled handler never
+            # told.
+            on_loop(self, handler)
 
     AsyncLLM.shutdown = shutdown_and_end_in_flight_requests

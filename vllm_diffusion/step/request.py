@@ -30,17 +30,25 @@ class BlockCanvas:
     # [B] int64 (host): the request's denoising step (0-based) that last changed each
     # position (unmasked or edited it); -1 where it is fixed (prompt tail) or still masked
     decoded_at: torch.Tensor | None = None
+    # [B, 2 + 2k] float64 (host): each position's logprob columns from the step that last
+    # changed it (``worker/logprobs.py``); None unless the request asks for logprobs
+    logprobs: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         if self.decoded_at is None:
             self.decoded_at = torch.full_like(self.tokens, -1)
 
     def commit(self, positions: torch.Tensor, tokens: torch.Tensor,
-               began_unmasked: bool = False) -> None:
+               began_unmasked: bool = False, logprobs: torch.Tensor | None = None) -> None:
         """One step done: ``positions`` ([B] bool) were unmasked or edited; ``tokens``
         ([B] int64) is the block after it (the old tokens with the proposals at
-        ``positions``); ``began_unmasked``: the step started with no masked position."""
+        ``positions``); ``began_unmasked``: the step started with no masked position;
+        ``logprobs``: [B, C] this step's logprob columns, kept where ``positions``."""
         self.tokens = tokens
+        if logprobs is not None:
+            if self.logprobs is None:
+                self.logprobs = torch.zeros(len(tokens), logprobs.shape[1], dtype=torch.float64)
+            self.logprobs[positions] = logprobs[positions]
         self.post_steps += int(began_unmasked)
         self.decoded_at[positions] = self.first_step + self.steps
         self.steps += 1

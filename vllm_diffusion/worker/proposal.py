@@ -4,7 +4,9 @@ token and its confidence, then the policy's commit choice.
 The stages run in vLLM's sampler order, each a named slot (``STAGES``):
 
 1. ``allowed_token_ids``  -- ``SamplingParams.allowed_token_ids``
-2. ``bad_words``          -- ``bad_words``
+2. ``bad_words``          -- ``bad_words`` (the tokens completing a word at a position;
+                             words completed by one step's commits are undone after
+                             the commit choice, ``bad_words.py``)
 3. ``min_tokens``         -- ``min_tokens`` (stop tokens barred until reached)
 4. ``logit_bias``         -- ``logit_bias``
 5. ``penalties``          -- ``presence_penalty``, ``frequency_penalty``,
@@ -32,6 +34,16 @@ from collections.abc import Callable
 
 import torch
 
+from vllm_diffusion.worker.bad_words import barred_tokens
+from vllm_diffusion.worker.logprobs import (
+    LOGPROBS_MODES,
+    columns,
+    distribution_values,
+    use_given_tokens,
+    processed_logits,
+    top_count,
+    wants_logprobs,
+)
 from vllm_diffusion.worker.sampling import draw_for_requests
 
 
@@ -49,6 +61,9 @@ class ProposalBatch:
     # per request, (prompt token ids, output token ids so far: the committed output and
     # the current block's filled output positions); None where no request has penalties
     seen_tokens: list[tuple[list[int], list[int]]] | None = None
+    # per request, its output so far with the current block (``bad_words.UNDECIDED`` at
+    # undecided positions); None where no request has bad words
+    output_canvas: list[list[int]] | None = None
     spans: list[slice] = dataclasses.field(init=False)  # each request's rows
 
     def __post_init__(self) -> None:
@@ -79,6 +94,23 @@ def allowed_token_ids(batch: ProposalBatch) -> None:
                             device=batch.logits.device)
         banned[torch.tensor(allowed, device=batch.logits.device)] = False
         batch.logits[rows] = batch.logits[rows].masked_fill(banned, float("-inf"))
+
+
+def bad_words(batch: ProposalBatch) -> None:
+    """A request's ``bad_words`` (vLLM's tokenizations, ``bad_words_token_ids``): at every
+    computed output position, the tokens that would complete a word with the decided
+    tokens around it are barred (``bad_words.barred_tokens``; a one-token word
+    everywhere)."""
+    for index, (rows, params) in enumerate(zip(batch.spans, batch.params)):
+        words = getattr(params, "bad_words_token_ids", None)
+        if not words or rows.start == rows.stop:
+            continue
+        context = batch.output_canvas[index]
+        for row in range(rows.start, rows.stop):
+            barred = barred_tokens(context, int(batch.output_index[row]), words)
+            if barred:
+                batch.logits[row, torch.tensor(sorted(barred), device=batch.logits.device)] = (
+                    float("-inf"))
 
 
 def min_tokens(batch: ProposalBatch) -> None:
@@ -152,6 +184,7 @@ SLOT_PARAMETERS: dict[str, tuple[str, ...]] = {
 # The logit slots, in order; None: no stage yet.
 LOGIT_STAGES: dict[str, LogitStage | None] = {name: None for name in SLOT_PARAMETERS}
 LOGIT_STAGES["allowed_token_ids"] = allowed_token_ids
+LOGIT_STAGES["bad_words"] = bad_words
 LOGIT_STAGES["min_tokens"] = min_tokens
 LOGIT_STAGES["logit_bias"] = logit_bias
 LOGIT_STAGES["penalties"] = penalties
@@ -161,7 +194,8 @@ STAGES = (*LOGIT_STAGES, "mask_token", "temperature", "top_k_top_p", "draw", "co
 CONFIDENCE_RULES = ("sampled_token", "max_probability")
 # fp32 [rows, V] tensors a chunk's proposals hold at once at most: its logits, their
 # scaled and filtered copies and the probabilities (the sampled path's sort holds two).
-LOGIT_COPIES = 4
+# A request asking for logprobs adds one: its rows' raw (or processed) logits.
+LOGIT_COPIES = 5
 
 
 def chunk_rows(memory_mib: int, vocab_size: int) -> int:
@@ -183,47 +217,95 @@ def request_chunks(counts: list[int], max_rows: int) -> list[tuple[int, int]]:
     return chunks
 
 
+@dataclasses.dataclass
+class Proposals:
+    """A step's proposals for its n block rows (request order)."""
+
+    tokens: torch.Tensor  # [n] int64
+    confidence: torch.Tensor  # [n] float32
+    entropy: torch.Tensor | None = None  # [n] float32, when asked for
+    # [m, 2 + 2k] float64 (``logprobs.columns``) for the m rows of the requests asking
+    # for logprobs, in row order; None when none asks
+    logprobs: torch.Tensor | None = None
+
+    @staticmethod
+    def concat(parts: list[Proposals]) -> Proposals:
+        def joined(name: str) -> torch.Tensor | None:
+            values = [getattr(p, name) for p in parts]
+            return None if values[0] is None else torch.cat(values)
+        return Proposals(*(joined(f.name) for f in dataclasses.fields(Proposals)))
+
+
 class ProposalPipeline:
     def __init__(self, mask_token_id: int, confidence_rule: str = "sampled_token",
-                 max_rows: int | None = None) -> None:
+                 max_rows: int | None = None, logprobs_mode: str = "raw_logprobs") -> None:
         if confidence_rule not in CONFIDENCE_RULES:
             raise ValueError(f"confidence rule {confidence_rule!r}: expected one of "
                              f"{CONFIDENCE_RULES}")
+        if logprobs_mode not in LOGPROBS_MODES:
+            raise ValueError(f"logprobs mode {logprobs_mode!r}: expected one of "
+                             f"{LOGPROBS_MODES}")
         self.mask_token_id = mask_token_id
         self.max_probability = confidence_rule == "max_probability"
         self.max_rows = max_rows  # rows of logits at once (None: the whole step)
+        self.logprobs_mode = logprobs_mode
         self.logit_stages = [stage for stage in LOGIT_STAGES.values() if stage is not None]
 
     def propose(self, logits: torch.Tensor, counts: list[int], params: list,
                 generators: list, output_index: torch.Tensor | None = None,
-                seen_tokens: list | None = None, with_entropy: bool = False
-                ) -> tuple[torch.Tensor, ...]:
+                seen_tokens: list | None = None, with_entropy: bool = False,
+                output_canvas: list | None = None, logprobs_k: int | None = None
+                ) -> Proposals:
         """logits: [n, V]; output_index: [n] (host) each row's index in its request's
-        output (needed for ``min_tokens``); seen_tokens: per request (prompt ids, output
-        ids) (needed for penalties). Returns proposed tokens [n] int64 and their
-        confidences [n] (and, ``with_entropy``, each row's entropy [n])."""
+        output (needed for ``min_tokens`` and ``bad_words``); seen_tokens: per request
+        (prompt ids, output ids) (needed for penalties); output_canvas: per request its
+        output so far with -1 at undecided positions (needed for ``bad_words``);
+        logprobs_k: the top logprobs to return for requests asking for logprobs (the
+        step's largest; None: none asks)."""
         batch = ProposalBatch(logits.float(), counts, params, generators, output_index,
-                              seen_tokens)
+                              seen_tokens, output_canvas)
+        logprob_rows = raw = None
+        if logprobs_k is not None:
+            logprob_rows = torch.tensor([wants_logprobs(p) for p, n in zip(params, counts)
+                                         for _ in range(n)], dtype=torch.bool)
+            if self.logprobs_mode.startswith("raw"):
+                raw = batch.logits[logprob_rows.to(batch.logits.device)].clone()
         for stage in self.logit_stages:
             stage(batch)
         batch.logits[:, self.mask_token_id] = float("-inf")
-        return draw_for_requests(batch.logits, counts, params, generators,
-                                 max_probability=self.max_probability,
-                                 with_entropy=with_entropy)
+        drawn = draw_for_requests(batch.logits, counts, params, generators,
+                                  max_probability=self.max_probability,
+                                  with_entropy=with_entropy)
+        proposals = Proposals(*drawn)
+        if logprob_rows is not None:
+            rows = logprob_rows.to(batch.logits.device)
+            if raw is None:
+                by_row = [p for p, n in zip(params, counts) for _ in range(n)]
+                raw = processed_logits(batch.logits[rows],
+                                       [p for p, keep in zip(by_row, logprob_rows) if keep])
+            as_logits = self.logprobs_mode.endswith("logits")
+            proposals.logprobs = columns(raw, proposals.tokens[rows], logprobs_k, as_logits)
+            if any(getattr(p, "logprob_token_ids", None) for p in params):
+                use_given_tokens(proposals.logprobs, distribution_values(raw, as_logits),
+                                 counts, params)
+        return proposals
 
     def propose_from_hidden(self, compute_logits: Callable[[torch.Tensor], torch.Tensor],
                             hidden: torch.Tensor, counts: list[int], params: list,
                             generators: list, output_index: torch.Tensor | None = None,
-                            seen_tokens: list | None = None, with_entropy: bool = False
-                            ) -> tuple[torch.Tensor, ...]:
+                            seen_tokens: list | None = None, with_entropy: bool = False,
+                            output_canvas: list | None = None
+                            ) -> Proposals:
         """``propose`` of ``compute_logits(hidden)`` ([n, H] -> [n, V]), computed a chunk of
         whole requests at a time so that at most ``max_rows`` rows of logits exist at once
         (bounded memory whatever the batch and block). Each request's draws use its own
         generator (or the global one) in request order, as in one call, so the proposals
         are the same as without chunks."""
+        logprobs_k = top_count(params)
         if self.max_rows is None or sum(counts) <= self.max_rows:
             return self.propose(compute_logits(hidden), counts, params, generators,
-                                output_index, seen_tokens, with_entropy)
+                                output_index, seen_tokens, with_entropy, output_canvas,
+                                logprobs_k)
         parts, row = [], 0
         for first, last in request_chunks(counts, self.max_rows):
             rows = sum(counts[first:last])
@@ -231,9 +313,10 @@ class ProposalPipeline:
                 compute_logits(hidden[row:row + rows]), counts[first:last],
                 params[first:last], generators[first:last],
                 None if output_index is None else output_index[row:row + rows],
-                None if seen_tokens is None else seen_tokens[first:last], with_entropy))
+                None if seen_tokens is None else seen_tokens[first:last], with_entropy,
+                None if output_canvas is None else output_canvas[first:last], logprobs_k))
             row += rows
-        return tuple(torch.cat(column) for column in zip(*parts))
+        return Proposals.concat(parts)
 
 
 def propose_for_requests(logits: torch.Tensor, mask_token_id: int, counts: list[int],
@@ -242,5 +325,6 @@ def propose_for_requests(logits: torch.Tensor, mask_token_id: int, counts: list[
                          ) -> tuple[torch.Tensor, torch.Tensor]:
     """The pipeline's proposals for the rows of several requests at once (see
     ``ProposalPipeline.propose``)."""
-    return ProposalPipeline(mask_token_id, confidence_rule).propose(logits, counts, params,
-                                                                    generators)
+    proposals = ProposalPipeline(mask_token_id, confidence_rule).propose(logits, counts,
+                                                                         params, generators)
+    return proposals.tokens, proposals.confidence

@@ -29,7 +29,15 @@ from vllm_diffusion.step.request import DiffusionRequest
 from vllm_diffusion.step.rows import StepRows
 from vllm_diffusion.worker.geometry import BlockGeometry
 from vllm_diffusion.worker.outputs import DiffusionRunnerOutput, DiffusionStats, empty_output
-from vllm_diffusion.worker.proposal import ProposalPipeline, chunk_rows, has_penalties
+from vllm_diffusion.worker.bad_words import undo_completed_words
+from vllm_diffusion.worker.logprobs import (
+    asked_count,
+    own_columns,
+    to_vllm_lists,
+    wants_logprobs,
+)
+from vllm_diffusion.worker.proposal import ProposalPipeline, chunk_rows
+from vllm_diffusion.worker.row_context import RowContext
 from vllm_diffusion.worker.step_plan import (
     KnownTokens,
     RequestRows,
@@ -53,6 +61,15 @@ class DenoisedBlock:
 
 
 @dataclasses.dataclass
+class EmittedTokens:
+    """What a request returns from a step."""
+
+    tokens: list[int]  # newly final tokens
+    logprobs: torch.Tensor | None  # [len(tokens), 2 + 2k] logprob columns, if asked for
+    step_map: list[int] | None  # the step map so far, if asked for
+
+
+@dataclasses.dataclass
 class StepDecisions:
     """What the step decided for its R denoised blocks: [R, B] tensors (host) and their
     per-block summaries."""
@@ -69,16 +86,6 @@ class StepDecisions:
     began_unmasked: list[bool]  # the step started with no masked position
 
 
-def seen_by(canvas: Any, state: Any, mask_token_id: int) -> tuple[list[int], list[int]]:
-    """A request's (prompt ids, output ids so far) for penalties: the committed output and
-    its current block's filled output positions, whose tokens are not emitted yet."""
-    prompt_len = len(state.prompt_token_ids)
-    emitted = prompt_len + len(state.output_token_ids)
-    pending = [t for p, t in enumerate(canvas.tokens.tolist(), start=canvas.start)
-               if p >= emitted and t != mask_token_id]
-    return list(state.prompt_token_ids), list(state.output_token_ids) + pending
-
-
 class DiffusionRunnerMixin:
     """Mixed into vLLM's ``GPUModelRunner`` / ``CPUModelRunner``."""
 
@@ -92,7 +99,8 @@ class DiffusionRunnerMixin:
         self.proposals = ProposalPipeline(
             self.diffusion.mask_token_id, self.policy.confidence_rule,
             chunk_rows(self.diffusion.logits_memory_mib,
-                       self.vllm_config.model_config.get_vocab_size()))
+                       self.vllm_config.model_config.get_vocab_size()),
+            self.vllm_config.model_config.logprobs_mode)
         self.diffusion_requests: dict[str, DiffusionRequest] = {}
         self.num_layers = self.vllm_config.model_config.hf_config.num_hidden_layers
         self.diffusion_stats = DiffusionStats()
@@ -119,10 +127,9 @@ class DiffusionRunnerMixin:
         hidden = torch.rand(sum(counts), hidden_states.shape[-1], dtype=hidden_states.dtype,
                             device=hidden_states.device)
         params = SamplingParams(temperature=0.5, top_p=0.9)
-        tokens, _ = self.proposals.propose_from_hidden(
+        return self.proposals.propose_from_hidden(
             self.model.compute_logits, hidden, counts, [params] * len(counts),
-            [None] * len(counts))
-        return tokens
+            [None] * len(counts)).tokens
 
     def execute_model(self, scheduler_output: Any, intermediate_tensors: Any = None):
         self._update_states(scheduler_output)
@@ -153,26 +160,27 @@ class DiffusionRunnerMixin:
                                                             "planning its step", err)
         stats = self.diffusion_stats
         before = (stats.block_positions_computed, stats.block_positions_after_eviction)
-        sampled_by_id: dict[str, list[int]] = {}
-        step_maps: dict[str, list[int]] = {}
+        emitted: dict[str, EmittedTokens] = {}
         layer_rows: list[int] = []
         if rows:
             step = forward_step(rows, self.device)
             hooks = self.policy.forward_hooks(step)
             hidden_states, out_rows, layer_rows = self._forward(rows, step, hooks)
-            sampled_by_id, step_maps = self._denoise(rows, step, hidden_states, out_rows,
-                                                     failed)
+            emitted = self._denoise(rows, step, hidden_states, out_rows, failed)
+        tokens_by_request = [emitted[r].tokens if r in emitted else [] for r in req_ids]
         stats.engine_steps += 1
         return DiffusionRunnerOutput(
             req_ids=req_ids,
             req_id_to_index={r: i for i, r in enumerate(req_ids)},
-            sampled_token_ids=[sampled_by_id.get(r, []) for r in req_ids],
+            sampled_token_ids=tokens_by_request,
+            logprobs=to_vllm_lists([emitted[r].logprobs if r in emitted else None
+                                    for r in req_ids], tokens_by_request),
             block_positions=(stats.block_positions_computed - before[0],
                              stats.block_positions_after_eviction - before[1]),
             layer_block_positions=layer_rows,
             committed_prefix={r.req_id: r.committed for r in rows if r.req_id not in failed},
             denoised_blocks=sum(r.request is not None and r.req_id not in failed for r in rows),
-            step_maps=step_maps,
+            step_maps={r: e.step_map for r, e in emitted.items() if e.step_map is not None},
             failed_requests=failed,
         )
 
@@ -271,47 +279,56 @@ class DiffusionRunnerMixin:
         return blocks, index[alive], where[alive]
 
     def _denoise(self, rows: list[RequestRows], step: ForwardStep, hidden_states: torch.Tensor,
-                 out_rows: torch.Tensor, failed: dict[str, str]
-                 ) -> tuple[dict[str, list[int]], dict[str, list[int]]]:
+                 out_rows: torch.Tensor, failed: dict[str, str]) -> dict[str, EmittedTokens]:
         """Unmask every block of the step; a request whose unmasking raises is recorded in
-        ``failed`` and outputs nothing. Returns new final tokens and step maps by request."""
+        ``failed`` and outputs nothing. Returns what each request emits."""
         blocks, hidden_index, where = self._denoised_blocks(rows, step, out_rows)
         if not blocks:
-            return {}, {}
+            return {}
         block_size, mask_id = self.diffusion.block_size, self.diffusion.mask_token_id
         states = [self.requests[b.rows.req_id] for b in blocks]
-        output_index = seen_tokens = None
-        if any(s.sampling_params.min_tokens for s in states):
-            # Each row's index in its request's output: block start + position - prompt.
-            first_output = torch.tensor([b.rows.canvas.start - len(s.prompt_token_ids)
-                                         for b, s in zip(blocks, states)])
-            output_index = first_output[where[:, 0]] + where[:, 1]
-        if any(has_penalties(s.sampling_params) for s in states):
-            seen_tokens = [seen_by(b.rows.canvas, s, mask_id) for b, s in zip(blocks, states)]
+        params = [s.sampling_params for s in states]
+        context = RowContext.of([b.rows.canvas for b in blocks], states, where, mask_id)
+        words = context.words
         requests = [b.rows.request for b in blocks]
         with_entropy = self.policy.wants_entropy(requests)
         # The logits ([n, V]) are made and reduced a chunk of requests at a time.
         proposed = self.proposals.propose_from_hidden(
             self.model.compute_logits, hidden_states[hidden_index.to(self.device)],
-            [b.num_computed for b in blocks], [s.sampling_params for s in states],
-            [s.generator for s in states], output_index, seen_tokens, with_entropy)
-        # The step's one device-to-host copy: tokens, confidences (and entropies) together
-        # ([2 or 3, n] float64 holds every token id exactly). Scattered into [R, B] on the
-        # host, -inf / mask where not computed.
-        host = torch.stack([column.double() for column in proposed]).cpu()
+            [b.num_computed for b in blocks], params, [s.generator for s in states],
+            context.output_index, context.seen_tokens, with_entropy, context.output_canvas)
+        # The step's one device-to-host copy: tokens, confidences (and entropies, and the
+        # logprob columns) together, as float64 (which holds every token id exactly).
+        # Scattered into [R, B] on the host, -inf / mask where not computed.
+        columns = [proposed.tokens, proposed.confidence]
+        if with_entropy:
+            columns.append(proposed.entropy)
+        parts = [torch.stack([c.double() for c in columns]).flatten()]
+        if proposed.logprobs is not None:
+            parts.append(proposed.logprobs.flatten())
+        host = torch.cat(parts).cpu()
+        n = len(proposed.tokens)
+        table = host[:len(columns) * n].view(len(columns), n)
         block_of_row, position_of_row = where[:, 0], where[:, 1]
         proposals = torch.full((len(blocks), block_size), mask_id, dtype=torch.long)
-        proposals[block_of_row, position_of_row] = host[0].long()
+        proposals[block_of_row, position_of_row] = table[0].long()
         full_confidence = torch.full((len(blocks), block_size), float("-inf"))
-        full_confidence[block_of_row, position_of_row] = host[1].float()
+        full_confidence[block_of_row, position_of_row] = table[1].float()
         computed = torch.zeros(len(blocks), block_size, dtype=torch.bool)
         computed[block_of_row, position_of_row] = True
         masked = torch.stack([b.rows.canvas.masked(mask_id) for b in blocks])
         commit_inputs = (full_confidence, masked & computed)
         if with_entropy:
             full_entropy = torch.zeros(len(blocks), block_size)
-            full_entropy[block_of_row, position_of_row] = host[2].float()
+            full_entropy[block_of_row, position_of_row] = table[2].float()
             commit_inputs = (*commit_inputs, full_entropy)
+        block_logprobs = None
+        if proposed.logprobs is not None:
+            width = proposed.logprobs.shape[1]
+            asking = torch.tensor([wants_logprobs(p) for p in params])[block_of_row]
+            block_logprobs = torch.zeros(len(blocks), block_size, width, dtype=torch.float64)
+            block_logprobs[block_of_row[asking], position_of_row[asking]] = (
+                host[len(columns) * n:].view(-1, width))
         commits = self._ask_policy(self.policy.choose_commits, CommitBatch, requests,
                                    commit_inputs, failed, "choosing its commits")
         # The blocks after this step's commits and edits, for all requests at once.
@@ -325,24 +342,29 @@ class DiffusionRunnerMixin:
             tokens_after = torch.where(edits, proposals, tokens_after)
         else:
             edits = torch.zeros_like(commits)
+        for i, block_words in enumerate(words):
+            if block_words:
+                undo_completed_words(context.output_canvas[i], blocks[i].rows.canvas.start
+                                     - len(states[i].prompt_token_ids), block_words,
+                                     commits[i], edits[i], tokens_before[i], tokens_after[i],
+                                     mask_id)
         decisions = StepDecisions(commits, edits, tokens_after, masked, computed,
                                   commits.sum(dim=1).tolist(), tokens_after.tolist(),
                                   (tokens_after != mask_id).all(dim=1).tolist(),
                                   edits.sum(dim=1).tolist(), (~masked.any(dim=1)).tolist())
-        sampled: dict[str, list[int]] = {}
-        step_maps: dict[str, list[int]] = {}
+        emitted: dict[str, EmittedTokens] = {}
         for i, (block, state) in enumerate(zip(blocks, states)):
             req_id = block.rows.req_id
             if req_id in failed:
                 continue
             try:
-                sampled[req_id] = self._unmask(block, state, decisions, i)
+                emitted[req_id] = self._unmask(
+                    block, state, decisions, i,
+                    None if block_logprobs is None or not wants_logprobs(params[i])
+                    else own_columns(block_logprobs[i], asked_count(params[i])))
             except Exception as err:  # noqa: BLE001 - isolated to this request
                 failed[req_id] = self._fail_request(req_id, "unmasking its block", err)
-                continue
-            if block.rows.request.wants_step_map:
-                step_maps[req_id] = list(block.rows.request.step_map)
-        return sampled, step_maps
+        return emitted
 
     def _ask_policy(self, method, batch_cls, requests: list[DiffusionRequest],
                     tensors: tuple[torch.Tensor, ...], failed: dict[str, str], doing: str):
@@ -363,15 +385,17 @@ class DiffusionRunnerMixin:
                             if row is None else row[0])
             return torch.stack(rows)
 
-    def _unmask(self, block: DenoisedBlock, state: Any, decisions: StepDecisions,
-                i: int) -> list[int]:
+    def _unmask(self, block: DenoisedBlock, state: Any, decisions: StepDecisions, i: int,
+                logprobs: torch.Tensor | None) -> EmittedTokens:
         """Apply the commits and edits of block ``i`` of the step to its request and return
         its newly final tokens: the decoded run after its known tokens, or, when its tokens
-        may still change (editing), the whole block once it ends."""
+        may still change (editing), the whole block once it ends. ``logprobs``: [B, C] the
+        logprob columns of the block's positions this step (None: not asked for)."""
         request, canvas = block.rows.request, block.rows.canvas
         num_decoded = decisions.num_decoded[i]
-        canvas.commit(decisions.commits[i] | decisions.edits[i], decisions.tokens_after[i],
-                      began_unmasked=decisions.began_unmasked[i])
+        changed = decisions.commits[i] | decisions.edits[i]
+        canvas.commit(changed, decisions.tokens_after[i],
+                      began_unmasked=decisions.began_unmasked[i], logprobs=logprobs)
         block_done = (decisions.no_mask_left[i]
                       and self.policy.block_ends(request, decisions.num_edited[i] > 0,
                                                  decisions.began_unmasked[i]))
@@ -398,7 +422,11 @@ class DiffusionRunnerMixin:
         stats.tokens_edited += decisions.num_edited[i]
         canvas.edits += decisions.num_edited[i]
         stats.edited_blocks_completed += int(block_done and canvas.edits > 0)
-        return final
+        offset = num_known - canvas.start
+        return EmittedTokens(
+            final,
+            None if canvas.logprobs is None else canvas.logprobs[offset:offset + len(final)],
+            list(request.step_map) if request.wants_step_map else None)
 
     def diffusion_stats_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self.diffusion_stats)
