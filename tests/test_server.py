@@ -66,6 +66,19 @@ def stream_chat(server, body) -> list[str]:
     return deltas
 
 
+def stream_logprobs(server, body) -> list[dict]:
+    """The logprob entries of a streamed chat completion, in order."""
+    entries = []
+    with requests.post(f"{server['url']}/v1/chat/completions", json={**body, "stream": True},
+                       stream=True, timeout=60) as response:
+        assert response.status_code == 200
+        for line in response.iter_lines():
+            if line.startswith(b"data: ") and line != b"data: [DONE]":
+                choice = json.loads(line[6:])["choices"][0]
+                entries += (choice.get("logprobs") or {}).get("content") or []
+    return entries
+
+
 def test_streamed_chat_sends_final_tokens_before_the_block_completes(server):
     body = chat_body(server, vllm_xargs=SEQUENTIAL)
     deltas = stream_chat(server, body)
@@ -150,13 +163,7 @@ def test_logprobs_streamed_and_not_and_bad_words_through_the_server(server):
     entries = whole["choices"][0]["logprobs"]["content"]
     assert len(entries) == whole["usage"]["completion_tokens"] == 12
     assert all(len(e["top_logprobs"]) == 2 and e["logprob"] <= 0 for e in entries)
-    streamed = []
-    with requests.post(f"{server['url']}/v1/chat/completions", json={**body, "stream": True},
-                       stream=True, timeout=60) as response:
-        for line in response.iter_lines():
-            if line.startswith(b"data: ") and line != b"data: [DONE]":
-                choice = json.loads(line[6:])["choices"][0]
-                streamed += (choice.get("logprobs") or {}).get("content") or []
+    streamed = stream_logprobs(server, body)
     assert [e["logprob"] for e in streamed] == pytest.approx([e["logprob"] for e in entries])
     completion = requests.post(f"{server['url']}/v1/completions", timeout=60, json={
         "model": server["model"], "prompt": "The river", "max_tokens": 6, "temperature": 0,

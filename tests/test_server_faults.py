@@ -13,7 +13,7 @@ import time
 
 import pytest
 import requests
-from test_server import chat_body, metric, wait_until_idle
+from test_server import chat_body, metric, stream_logprobs, wait_until_idle
 
 from vllm_diffusion_lab.fixtures.server import vllm_server, vllm_server_process
 
@@ -146,6 +146,10 @@ def test_focus_server_reports_fewer_positions_after_eviction(server):
     positions = metric(server["url"], "vllm:diffusion_num_canvas_positions_total") - positions
     later = metric(server["url"], "vllm:diffusion_num_positions_after_eviction_total") - later
     assert 0 < later < positions
+    # Streamed logprobs under FOCUS's eviction: one entry per token.
+    entries = stream_logprobs(server, chat_body(server, max_tokens=20, logprobs=True,
+                                                top_logprobs=1))
+    assert len(entries) == 20 and all(len(e["top_logprobs"]) == 1 for e in entries)
 
 
 def test_sigterm_with_streams_in_flight_ends_every_stream(dense_checkpoint, tmp_path):

@@ -8,7 +8,7 @@ import re
 
 import pytest
 import requests
-from test_server import metric, stream_chat
+from test_server import metric, stream_chat, stream_logprobs
 
 from vllm_diffusion_lab.fixtures.server import vllm_server
 from vllm_diffusion_lab.fixtures.tiny_sdar import build_tiny_sdar
@@ -47,6 +47,11 @@ def test_policy_serves_completions_stream_and_step_map(policy, options, bad_opti
             "model": model, "temperature": 0, "max_tokens": 12, "ignore_eos": True,
             "messages": [{"role": "user", "content": "Tell me about the river."}]})
         assert deltas
+        chat = {"model": model, "temperature": 0, "max_tokens": 12, "ignore_eos": True,
+                "logprobs": True, "top_logprobs": 2, "bad_words": ["the"],
+                "messages": [{"role": "user", "content": "Tell me about the river."}]}
+        entries = stream_logprobs({"url": url, "model": model}, chat)
+        assert len(entries) == 12 and all(len(e["top_logprobs"]) == 2 for e in entries)
         bad = requests.post(f"{url}/v1/completions", timeout=60,
                             json={**body, "vllm_xargs": bad_option})
         assert bad.status_code == 400

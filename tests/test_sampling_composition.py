@@ -1,0 +1,74 @@
+"""The sampling surface composed with every policy: logprobs, bad_words, logit_bias,
+allowed_token_ids and min_tokens in one batch, with n = 2 sampled choices, under each
+decoding policy (one engine per policy, a 4-layer model so that every policy's hook
+layers exist)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from conftest import diffusion_llm
+from test_elastic import write_profile
+from test_logprobs_bad_words import letters
+
+from vllm import SamplingParams
+from vllm.inputs import TokensPrompt
+
+from vllm_diffusion_lab.fixtures.tiny_sdar import build_tiny_sdar
+
+pytestmark = pytest.mark.engine
+
+BLOCK_SIZE = 8
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return build_tiny_sdar(tmp_path_factory.mktemp("sdar-4-layers"), num_layers=4, seed=3)
+
+
+def policy_config(policy: str, checkpoint, tmp_path) -> dict:
+    if policy != "elastic":
+        return {"diffusion_policy": policy}
+    config = json.loads((checkpoint / "config.json").read_text())
+    identity = {k: config.get(k) for k in ("architectures", "hidden_size", "num_hidden_layers",
+                                           "num_attention_heads", "num_key_value_heads",
+                                           "intermediate_size", "vocab_size")}
+    return {"diffusion_policy": "elastic",
+            "latency_profile": write_profile(tmp_path / "profile.json", identity)}
+
+
+@pytest.mark.parametrize("policy", ["standard", "focus", "elastic", "es", "ada",
+                                    "sparse_prefix"])
+def test_every_parameter_holds_under_every_policy(policy, checkpoint, tmp_path):
+    with diffusion_llm(checkpoint, diffusion_block_size=BLOCK_SIZE, max_model_len=128,
+                       additional_config=policy_config(policy, checkpoint, tmp_path)) as llm:
+        first, second = letters(llm, 2)
+        tok = llm.get_tokenizer()
+        stop = tok.eos_token_id
+        allowed = [11, 12, 13, stop]
+        outputs = llm.generate(
+            [TokensPrompt(prompt_token_ids=[5, 6, 7]),
+             TokensPrompt(prompt_token_ids=[8, 9, 10, 11, 12, 13, 14, 15, 16, 17]),
+             TokensPrompt(prompt_token_ids=[20, 21])],
+            [SamplingParams(temperature=0.8, seed=5, n=2, max_tokens=16, ignore_eos=True,
+                            logprobs=2, logit_bias={first: 100.0, second: 80.0},
+                            bad_words=[tok.decode([first]) * 2]),
+             SamplingParams(temperature=0, max_tokens=16, min_tokens=6,
+                            allowed_token_ids=allowed, logit_bias={stop: 100.0},
+                            logprobs=0),
+             SamplingParams(temperature=0, max_tokens=10, ignore_eos=True,
+                            repetition_penalty=1.3, presence_penalty=0.5)],
+            use_tqdm=False)
+        for choice in outputs[0].outputs:
+            tokens = list(choice.token_ids)
+            assert len(tokens) == 16 and set(tokens) <= {first, second}, tokens
+            assert first in tokens
+            assert all(pair != (first, first) for pair in zip(tokens, tokens[1:]))
+            assert len(choice.logprobs) == 16
+            assert all(t in e and len(e) >= 2 for t, e in zip(tokens, choice.logprobs))
+        bounded = outputs[1].outputs[0]
+        assert list(bounded.token_ids)[-1] == stop and len(bounded.token_ids) == 7
+        assert set(bounded.token_ids[:6]) <= {11, 12, 13}
+        assert [list(e) for e in bounded.logprobs] == [[t] for t in bounded.token_ids]
+        assert len(outputs[2].outputs[0].token_ids) == 10
