@@ -52,31 +52,28 @@ def chat_body(server, **extra):
             "messages": [{"role": "user", "content": "Tell me about the river."}], **extra}
 
 
-def stream_chat(server, body) -> list[str]:
-    deltas = []
-    with requests.post(f"{server['url']}/v1/chat/completions", json={**body, "stream": True},
-                       stream=True, timeout=60) as response:
-        assert response.status_code == 200
-        for line in response.iter_lines():
-            if not line.startswith(b"data: ") or line == b"data: [DONE]":
-                continue
-            delta = json.loads(line[6:])["choices"][0]["delta"].get("content")
-            if delta:
-                deltas.append(delta)
-    return deltas
-
-
-def stream_logprobs(server, body) -> list[dict]:
-    """The logprob entries of a streamed chat completion, in order."""
-    entries = []
+def streamed_choices(server, body) -> list[dict]:
+    """The first choice of every chunk of a streamed chat completion, in order."""
+    choices = []
     with requests.post(f"{server['url']}/v1/chat/completions", json={**body, "stream": True},
                        stream=True, timeout=60) as response:
         assert response.status_code == 200
         for line in response.iter_lines():
             if line.startswith(b"data: ") and line != b"data: [DONE]":
-                choice = json.loads(line[6:])["choices"][0]
-                entries += (choice.get("logprobs") or {}).get("content") or []
-    return entries
+                choices.append(json.loads(line[6:])["choices"][0])
+    return choices
+
+
+def stream_chat(server, body) -> list[str]:
+    """The content deltas of a streamed chat completion."""
+    return [c["delta"]["content"] for c in streamed_choices(server, body)
+            if c["delta"].get("content")]
+
+
+def stream_logprobs(server, body) -> list[dict]:
+    """The logprob entries of a streamed chat completion, in order."""
+    return [e for c in streamed_choices(server, body)
+            for e in (c.get("logprobs") or {}).get("content") or []]
 
 
 def test_streamed_chat_sends_final_tokens_before_the_block_completes(server):
