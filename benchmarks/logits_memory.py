@@ -7,8 +7,10 @@ process (``ru_maxrss`` only grows): a tiny random SDAR with a large vocabulary (
 no detokenisation: ids past the tokenizer have no text), a batch-1 run then a batch-64
 run; the growth of the peak between the two is what the batch adds. Configurations: the
 engine's default logits budget (``diffusion_logits_memory_mib``) and one large enough that
-the whole step's logits exist at once (what every step did before chunking). Also checks
-that both produce the same tokens. JSON to ``--out``.
+the whole step's logits exist at once (what every step did before chunking), both greedy;
+and the default budget with sampled requests (temperature 0.8, top-p 0.9, seeded) asking
+for 5 top logprobs each (the sampled path's sort and the logprob copy). Also checks that
+the two greedy runs produce the same tokens. JSON to ``--out``.
 
     python benchmarks/logits_memory.py
 """
@@ -31,7 +33,7 @@ def peak_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def measure(model: pathlib.Path, budget: int | None, args) -> dict:
+def measure(model: pathlib.Path, budget: int | None, sampled: bool, args) -> dict:
     import random
 
     from vllm import SamplingParams
@@ -47,6 +49,9 @@ def measure(model: pathlib.Path, budget: int | None, args) -> dict:
                for _ in range(max(args.batch_sizes))]
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True,
                             detokenize=False)
+    if sampled:
+        params = SamplingParams(temperature=0.8, top_p=0.9, seed=1, logprobs=5,
+                                max_tokens=args.max_tokens, ignore_eos=True, detokenize=False)
     result = {"budget_mib": budget, "peaks_mib": {}, "tokens": {}}
     with diffusion_llm(model, diffusion_block_size=args.block_size, max_model_len=256,
                        max_num_seqs=max(args.batch_sizes), additional_config=engine) as llm:
@@ -67,14 +72,17 @@ def main() -> None:
     parser.add_argument("--out", type=pathlib.Path, default=ROOT / "results/logits_memory.json")
     args = parser.parse_args()
     if args.one is not None:  # a child process: one configuration
-        budget = None if args.one == "default" else int(args.one)
-        print(json.dumps(measure(MODEL, budget, args)))
+        name, _, kind = args.one.partition(":")
+        budget = None if name == "default" else int(name)
+        print(json.dumps(measure(MODEL, budget, kind == "sampled", args)))
         return
     from vllm_diffusion_lab.fixtures.tiny_sdar import build_tiny_sdar
 
     build_tiny_sdar(MODEL, block_size=args.block_size, model_vocab_size=args.vocab)
     runs = {}
-    for name in ("default", str(UNBOUNDED_MIB)):
+    labels = {"default": "default budget", str(UNBOUNDED_MIB): "whole step at once",
+              "default:sampled": "default budget, sampled with 5 logprobs"}
+    for name in labels:
         child = subprocess.run(
             [sys.executable, __file__, "--one", name, "--block-size", str(args.block_size),
              "--max-tokens", str(args.max_tokens), "--batch-sizes",
@@ -85,7 +93,7 @@ def main() -> None:
     for name, run in runs.items():
         peaks = run["peaks_mib"]
         report["configs"][name] = {"peaks_mib": peaks, "growth_mib": peaks[last] - peaks[first]}
-        label = "default budget" if name == "default" else "whole step at once"
+        label = labels[name]
         print(f"{label}: peak after batch {first} {peaks[first]:.0f} MiB, after batch "
               f"{last} {peaks[last]:.0f} MiB, growth {peaks[last] - peaks[first]:.0f} MiB")
     same = runs["default"]["tokens"] == runs[str(UNBOUNDED_MIB)]["tokens"]
