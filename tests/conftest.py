@@ -37,3 +37,46 @@ def watch_preemptions(llm) -> list[str]:
 
     scheduler._preempt_request = counting_preempt
     return preempted
+
+
+def assert_abort_mid_block_frees_kv(llm, params) -> None:
+    """A request (``params``, sequential unmasking) aborted once its block is part
+    decoded leaves no KV block held. Steps until the request holds KV first (a grammar
+    is compiled before the request is scheduled)."""
+    import time
+
+    from vllm.inputs import TokensPrompt
+
+    engine = llm.llm_engine
+    block_pool = engine.engine_core.engine_core.scheduler.kv_cache_manager.block_pool
+    free_before = block_pool.get_num_free_blocks()
+    engine.add_request("aborted", TokensPrompt(prompt_token_ids=list(range(5, 14))), params)
+    for _ in range(200):
+        engine.step()
+        if block_pool.get_num_free_blocks() < free_before:
+            break
+        time.sleep(0.01)
+    engine.step()  # sequential: one position per step, so the block is part decoded
+    assert block_pool.get_num_free_blocks() < free_before
+    engine.abort_request(["aborted"])
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert block_pool.get_num_free_blocks() == free_before
+
+
+def outputs_with_and_without_room(checkpoint, prompts, params, **engine) -> tuple[dict, list]:
+    """Greedy outputs ({tight: [token ids]}) of an engine with room for every request
+    and of one so short of KV pages that requests are preempted, and the preempted ids."""
+    outputs, preempted = {}, []
+    for tight in (False, True):
+        room = {"num_gpu_blocks_override": 12} if tight else {}
+        with diffusion_llm(checkpoint, diffusion_block_size=8, block_size=16,
+                           enable_prefix_caching=False, max_model_len=128, **room,
+                           **engine) as llm:
+            watched = watch_preemptions(llm)
+            outputs[tight] = [list(o.outputs[0].token_ids)
+                              for o in llm.generate(prompts, params, use_tqdm=False)]
+            if tight:
+                preempted = watched
+    assert preempted, "no request was preempted; the test does not cover preemption"
+    return outputs, preempted

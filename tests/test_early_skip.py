@@ -12,7 +12,7 @@ import weakref
 
 import pytest
 import torch
-from conftest import diffusion_llm, watch_preemptions
+from conftest import diffusion_llm, outputs_with_and_without_room, watch_preemptions
 from reference_early_skip import reference_ada_generate, reference_es_generate
 from reference_sdar import ReferenceSDAR, reference_generate
 from test_parity import checkpoint_info, make_prompts
@@ -266,18 +266,8 @@ def test_ada_without_its_cache_decodes_the_same_under_preemption(four_layer_chec
                for _ in range(8)]
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True,
                             extra_args={"intra_block_cache": False})
-    outputs, preempted = {}, []
-    for tight in (False, True):
-        room = ({"num_gpu_blocks_override": 12} if tight else {})
-        with diffusion_llm(four_layer_checkpoint, diffusion_block_size=8, block_size=16,
-                           enable_prefix_caching=False, max_model_len=128, **room,
-                           additional_config={"diffusion_policy": "ada"}) as llm:
-            watched = watch_preemptions(llm)
-            outputs[tight] = [list(o.outputs[0].token_ids)
-                              for o in llm.generate(prompts, params, use_tqdm=False)]
-            if tight:
-                preempted = watched
-    assert preempted, "no request was preempted; the test does not cover preemption"
+    outputs, _ = outputs_with_and_without_room(
+        four_layer_checkpoint, prompts, params, additional_config={"diffusion_policy": "ada"})
     assert outputs[True] == outputs[False]
 
 

@@ -12,11 +12,13 @@ REFUSED = {name for name, _, _ in requests._UNSUPPORTED}
 
 
 @pytest.mark.parametrize("slot", proposal.SLOT_PARAMETERS)
-def test_an_empty_slot_has_its_parameters_refused(slot):
-    if proposal.LOGIT_STAGES[slot] is not None:
-        pytest.skip(f"slot {slot!r} has a stage")
+def test_a_slot_is_filled_or_its_parameters_refused(slot):
+    """A slot with a stage has its parameters admitted; one without has them refused."""
     for parameter in proposal.SLOT_PARAMETERS[slot]:
-        assert parameter in REFUSED, f"{parameter} has no stage but admission accepts it"
+        if proposal.LOGIT_STAGES[slot] is None:
+            assert parameter in REFUSED, f"{parameter} has no stage but admission accepts it"
+        else:
+            assert parameter not in REFUSED, f"{parameter} has a stage but is refused"
 
 
 def test_stages_follow_the_sampler_order():

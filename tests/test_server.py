@@ -187,3 +187,33 @@ def test_beam_search_and_generative_scoring_run_on_token_logprobs(server):
         "label_token_ids": [36, 37]})
     assert scored.status_code == 200, scored.text
     assert "error" not in scored.json()
+
+
+def test_structured_output_through_the_server(server):
+    """response_format json_schema (chat) and structured_outputs regex (completions) are
+    enforced; an invalid schema is a 400 and the server keeps serving."""
+    import jsonschema
+
+    schema = {"type": "object", "properties": {"id": {"type": "integer"},
+                                               "tag": {"enum": ["red", "blue"]}},
+              "required": ["id", "tag"], "additionalProperties": False}
+    response = requests.post(f"{server['url']}/v1/chat/completions", timeout=60, json={
+        **chat_body(server, max_tokens=60), "ignore_eos": False, "response_format": {
+            "type": "json_schema", "json_schema": {"name": "item", "schema": schema}}})
+    assert response.status_code == 200, response.text
+    choice = response.json()["choices"][0]
+    if choice["finish_reason"] == "stop":
+        jsonschema.validate(json.loads(choice["message"]["content"]), schema)
+    completion = requests.post(f"{server['url']}/v1/completions", timeout=60, json={
+        "model": server["model"], "prompt": "The river", "max_tokens": 20, "temperature": 0,
+        "structured_outputs": {"regex": "[a-c]{4}-[0-9]{2}"}}).json()
+    assert re.fullmatch("[a-c]{4}-[0-9]{2}", completion["choices"][0]["text"])
+    bad = requests.post(f"{server['url']}/v1/chat/completions", timeout=60, json={
+        **chat_body(server), "response_format": {
+            "type": "json_schema", "json_schema": {"name": "x",
+                                                   "schema": {"type": "no-such-type"}}}})
+    assert bad.status_code == 400
+    assert requests.post(f"{server['url']}/v1/chat/completions", json=chat_body(server),
+                         timeout=60).status_code == 200
+    assert metric(server["url"], "vllm:diffusion_num_grammar_fills_total") > 0
+    assert metric(server["url"], "vllm:diffusion_num_grammar_accepts_total") >= 6

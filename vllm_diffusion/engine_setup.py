@@ -15,6 +15,7 @@ from vllm.logger import init_logger
 from vllm.model_executor.models.config import VerifyAndUpdateConfig
 
 from vllm_diffusion.config import parse_engine_options, store_resolved
+from vllm_diffusion.worker.grammar import ROLLBACK_BACKENDS
 
 logger = init_logger(__name__)
 
@@ -73,6 +74,12 @@ class DiffusionModelConfigHook(VerifyAndUpdateConfig):
                                         bool(vllm_config.cache_config.enable_prefix_caching))
         if vllm_config.speculative_config is not None:
             raise ValueError("speculative decoding cannot be combined with block diffusion")
+        structured = vllm_config.structured_outputs_config
+        if structured is not None and structured.backend not in ("auto", *ROLLBACK_BACKENDS):
+            raise ValueError(
+                f"structured outputs backend {structured.backend!r} cannot roll back a "
+                "matcher, which block decoding needs to check a block's proposals; use "
+                f"one of auto, {', '.join(ROLLBACK_BACKENDS)}")
 
         if os.environ.get("VLLM_USE_V2_MODEL_RUNNER", "0") not in ("0", "false", "False"):
             raise ValueError(

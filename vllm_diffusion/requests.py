@@ -14,6 +14,7 @@ from vllm.exceptions import VLLMValidationError
 
 from vllm_diffusion.config import DiffusionEngineConfig, wants_step_map
 from vllm_diffusion.options import OptionError, shown
+from vllm_diffusion.worker.grammar import ROLLBACK_BACKENDS
 
 _EPS = 1e-5
 # torch.Generator.manual_seed accepts exactly this range; a seed outside it would raise
@@ -26,8 +27,6 @@ _UNSUPPORTED: tuple[tuple[str, Any, str], ...] = (
      "a masked-prediction model has no next-token distribution over its prompt. A chat "
      "request with echo=true asks for them too (vLLM sets prompt_logprobs to top_logprobs "
      "when echo is set): remove prompt_logprobs, or echo"),
-    ("structured_outputs", lambda v: v is not None,
-     "guided/structured decoding is not implemented for block decoding"),
     ("thinking_token_budget", lambda v: v is not None,
      "a thinking budget needs a reasoning parser's token-by-token end marker"),
     ("trace_decode_token_ids", lambda v: v is not None,
@@ -66,9 +65,10 @@ def validate_sampling_params(params: Any, config: DiffusionEngineConfig) -> None
             "block-diffusion model never proposes; allow at least one other token",
             parameter="allowed_token_ids", value=shown(allowed))
     try:
-        config.request_policy_config(params.extra_args)
+        policy_config = config.request_policy_config(params.extra_args)
     except OptionError as err:
         raise VLLMValidationError(str(err), parameter="extra_args") from err
+    _check_structured_outputs(params, config, policy_config)
     if params.n > 1 and wants_step_map(params.extra_args):
         # vLLM's responses keep only the first choice's kv_transfer_params, which carry
         # the step map: the other choices' maps would be lost.
@@ -76,6 +76,37 @@ def validate_sampling_params(params: Any, config: DiffusionEngineConfig) -> None
             f"return_step_map requires n=1 (got n={params.n}): the step map travels in "
             "kv_transfer_params, which the response carries for one choice only",
             parameter="n", value=params.n)
+
+
+# Policies whose forward may leave a block's leftmost undecided position uncomputed
+# (FOCUS's eviction, ES-dLLM's skipping), which a grammar's walk starts from.
+_SKIPS_POSITIONS = ("focus", "es")
+
+
+def _check_structured_outputs(params: Any, config: DiffusionEngineConfig,
+                              policy_config: Any) -> None:
+    """Structured output runs with a backend that can roll back, without token editing,
+    logprobs, or a policy that may skip the leftmost undecided position."""
+    wanted = params.structured_outputs
+    if wanted is None or wanted.all_constraints_none():
+        return
+    backend = getattr(wanted, "_backend", None)
+
+    def refuse(why: str) -> None:
+        raise VLLMValidationError(f"structured_outputs: {why}", parameter="structured_outputs")
+
+    if backend not in ROLLBACK_BACKENDS:
+        refuse(f"the {backend!r} backend cannot roll back a matcher, which block decoding "
+               f"needs to check a block's proposals; use one of {', '.join(ROLLBACK_BACKENDS)} "
+               "(--structured-outputs-config.backend)")
+    if getattr(policy_config, "editing_threshold", None) is not None:
+        refuse("token editing (editing_threshold) changes emitted tokens, which a grammar "
+               "cannot follow; remove editing_threshold from this request")
+    if config.policy_name in _SKIPS_POSITIONS:
+        refuse(f"the {config.policy_name!r} policy may skip the leftmost undecided position "
+               "that the grammar constrains; serve with another --diffusion-policy")
+    if params.logprobs is not None or params.logprob_token_ids:
+        refuse("logprobs of grammar-forced tokens are not defined yet; remove logprobs")
 
 
 def validate_prompt_ids(prompt_ids: Sequence[int] | None,

@@ -31,19 +31,27 @@ class DiffusionSpecDecodingProm(SpecDecodingProm):
     def __init__(self, per_engine_labelvalues) -> None:
         super().__init__(None, _LABELS, per_engine_labelvalues, is_diffusion=True)
         self.engine_labels = per_engine_labelvalues
-        self.later_layers = create_metric_per_engine(
-            self._counter_cls(
-                name="vllm:diffusion_num_positions_after_eviction",
-                documentation="Block positions computed by the layers after the "
-                              "policy's eviction point (layers 2+; equal to the canvas "
-                              "positions when nothing is evicted).",
-                labelnames=_LABELS),
-            per_engine_labelvalues)
+        self.later_layers = self._engine_counter(
+            "vllm:diffusion_num_positions_after_eviction",
+            "Block positions computed by the layers after the policy's eviction point "
+            "(layers 2+; equal to the canvas positions when nothing is evicted).")
+        self.matcher_fills = self._engine_counter(
+            "vllm:diffusion_num_grammar_fills",
+            "Structured output: grammar bitmask fills (one per position a step walks).")
+        self.matcher_accepts = self._engine_counter(
+            "vllm:diffusion_num_grammar_accepts",
+            "Structured output: tokens advanced through the runner's grammar matchers "
+            "(walks and emitted tokens).")
         self.per_layer = self._counter_cls(
             name="vllm:diffusion_num_layer_positions",
             documentation="Block positions whose queries each layer computed (label "
                           "'layer'); lower in later layers when a policy drops rows.",
             labelnames=[*_LABELS, "layer"])
+
+    def _engine_counter(self, name: str, documentation: str):
+        return create_metric_per_engine(
+            self._counter_cls(name=name, documentation=documentation, labelnames=_LABELS),
+            self.engine_labels)
 
     def observe(self, spec_decoding_stats, engine_idx: int = 0) -> None:
         super().observe(spec_decoding_stats, engine_idx)
@@ -51,6 +59,8 @@ class DiffusionSpecDecodingProm(SpecDecodingProm):
         if counters is None:
             return
         self.later_layers[engine_idx].inc(counters.positions_after_eviction)
+        self.matcher_fills[engine_idx].inc(counters.matcher_fills)
+        self.matcher_accepts[engine_idx].inc(counters.matcher_accepts)
         for layer, count in enumerate(counters.layer_positions):
             self.per_layer.labels(*self.engine_labels[engine_idx], str(layer)).inc(count)
 

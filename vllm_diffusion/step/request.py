@@ -12,7 +12,7 @@ so a policy's methods name exactly what they read.
 from __future__ import annotations
 
 import dataclasses
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 import torch
 
@@ -71,6 +71,9 @@ class DiffusionRequest(Generic[ConfigT, StateT]):
     canvas: BlockCanvas | None = None
     # decode step of every emitted token (kept only when the request asked for it)
     step_map: list[int] = dataclasses.field(default_factory=list)
+    # the request's structured-output matcher (vLLM's ``StructuredOutputGrammar``), its
+    # state the emitted output (``worker/grammar.py``); None without structured output
+    grammar: Any = None
 
     def block_for(self, block_start: int, fixed: list[int], block_size: int,
                   mask_token_id: int) -> BlockCanvas:

@@ -25,6 +25,8 @@ class DiffusionRunnerOutput(ModelRunnerOutput):
     committed_prefix: dict[str, int] = dataclasses.field(default_factory=dict)
     # blocks denoised this step (one per request that reached its current block)
     denoised_blocks: int = 0
+    # structured output this step: grammar bitmask fills, tokens advanced through matchers
+    matcher_calls: tuple[int, int] = (0, 0)
     # req_id -> the denoising step that unmasked each of its output tokens so far (only
     # for requests that asked for a step map and emitted tokens this step).
     step_maps: dict[str, list[int]] = dataclasses.field(default_factory=dict)
@@ -60,3 +62,5 @@ class DiffusionStats:
     blocks_completed: int = 0
     tokens_edited: int = 0  # filled positions given another token (LLaDA2.1 editing)
     edited_blocks_completed: int = 0  # completed blocks with at least one edit
+    grammar_fills: int = 0  # structured output: matcher bitmask fills
+    grammar_accepts: int = 0  # structured output: tokens advanced through a matcher

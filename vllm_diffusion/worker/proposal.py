@@ -11,7 +11,9 @@ The stages run in vLLM's sampler order, each a named slot (``STAGES``):
 4. ``logit_bias``         -- ``logit_bias``
 5. ``penalties``          -- ``presence_penalty``, ``frequency_penalty``,
                              ``repetition_penalty``
-6. ``grammar``            -- ``structured_outputs`` (a grammar's token mask)
+6. ``grammar``            -- ``structured_outputs`` (the grammar's mask at the leftmost
+                             undecided position; the walk after the proposals checks
+                             the others, ``grammar.py``)
 7. ``mask_token``         -- the mask token is never proposed
 8. ``temperature``, ``top_k_top_p``, ``draw`` -- ``sampling.draw_for_requests``: greedy
    rows take the arg-max (confidence: its softmax probability), sampled rows are scaled,
@@ -64,6 +66,9 @@ class ProposalBatch:
     # per request, its output so far with the current block (``bad_words.UNDECIDED`` at
     # undecided positions); None where no request has bad words
     output_canvas: list[list[int]] | None = None
+    # per request, (its leftmost undecided position's row within its rows, [V] bool the
+    # tokens its grammar allows there), or None; None where no request has a grammar
+    grammar_rows: list | None = None
     spans: list[slice] = dataclasses.field(init=False)  # each request's rows
 
     def __post_init__(self) -> None:
@@ -111,6 +116,17 @@ def bad_words(batch: ProposalBatch) -> None:
             if barred:
                 batch.logits[row, torch.tensor(sorted(barred), device=batch.logits.device)] = (
                     float("-inf"))
+
+
+def grammar(batch: ProposalBatch) -> None:
+    """A request's structured output: its grammar's mask at the leftmost undecided
+    position (``grammar.py``; the other positions are checked by the walk after the
+    proposals)."""
+    for rows, entry in zip(batch.spans, batch.grammar_rows or ()):
+        if entry is not None:
+            row, allowed = entry
+            batch.logits[rows.start + row] = batch.logits[rows.start + row].masked_fill(
+                ~allowed.to(batch.logits.device), float("-inf"))
 
 
 def min_tokens(batch: ProposalBatch) -> None:
@@ -188,6 +204,7 @@ LOGIT_STAGES["bad_words"] = bad_words
 LOGIT_STAGES["min_tokens"] = min_tokens
 LOGIT_STAGES["logit_bias"] = logit_bias
 LOGIT_STAGES["penalties"] = penalties
+LOGIT_STAGES["grammar"] = grammar
 STAGES = (*LOGIT_STAGES, "mask_token", "temperature", "top_k_top_p", "draw", "commit_choice")
 
 
@@ -254,8 +271,8 @@ class ProposalPipeline:
     def propose(self, logits: torch.Tensor, counts: list[int], params: list,
                 generators: list, output_index: torch.Tensor | None = None,
                 seen_tokens: list | None = None, with_entropy: bool = False,
-                output_canvas: list | None = None, logprobs_k: int | None = None
-                ) -> Proposals:
+                output_canvas: list | None = None, logprobs_k: int | None = None,
+                grammar_rows: list | None = None) -> Proposals:
         """logits: [n, V]; output_index: [n] (host) each row's index in its request's
         output (needed for ``min_tokens`` and ``bad_words``); seen_tokens: per request
         (prompt ids, output ids) (needed for penalties); output_canvas: per request its
@@ -263,7 +280,7 @@ class ProposalPipeline:
         logprobs_k: the top logprobs to return for requests asking for logprobs (the
         step's largest; None: none asks)."""
         batch = ProposalBatch(logits.float(), counts, params, generators, output_index,
-                              seen_tokens, output_canvas)
+                              seen_tokens, output_canvas, grammar_rows)
         logprob_rows = raw = None
         if logprobs_k is not None:
             logprob_rows = torch.tensor([wants_logprobs(p) for p, n in zip(params, counts)
@@ -294,8 +311,8 @@ class ProposalPipeline:
                             hidden: torch.Tensor, counts: list[int], params: list,
                             generators: list, output_index: torch.Tensor | None = None,
                             seen_tokens: list | None = None, with_entropy: bool = False,
-                            output_canvas: list | None = None
-                            ) -> Proposals:
+                            output_canvas: list | None = None,
+                            grammar_rows: list | None = None) -> Proposals:
         """``propose`` of ``compute_logits(hidden)`` ([n, H] -> [n, V]), computed a chunk of
         whole requests at a time so that at most ``max_rows`` rows of logits exist at once
         (bounded memory whatever the batch and block). Each request's draws use its own
@@ -305,7 +322,7 @@ class ProposalPipeline:
         if self.max_rows is None or sum(counts) <= self.max_rows:
             return self.propose(compute_logits(hidden), counts, params, generators,
                                 output_index, seen_tokens, with_entropy, output_canvas,
-                                logprobs_k)
+                                logprobs_k, grammar_rows)
         parts, row = [], 0
         for first, last in request_chunks(counts, self.max_rows):
             rows = sum(counts[first:last])
@@ -314,7 +331,8 @@ class ProposalPipeline:
                 params[first:last], generators[first:last],
                 None if output_index is None else output_index[row:row + rows],
                 None if seen_tokens is None else seen_tokens[first:last], with_entropy,
-                None if output_canvas is None else output_canvas[first:last], logprobs_k))
+                None if output_canvas is None else output_canvas[first:last], logprobs_k,
+                None if grammar_rows is None else grammar_rows[first:last]))
             row += rows
         return Proposals.concat(parts)
 

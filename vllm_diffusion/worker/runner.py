@@ -30,6 +30,7 @@ from vllm_diffusion.step.rows import StepRows
 from vllm_diffusion.worker.geometry import BlockGeometry
 from vllm_diffusion.worker.outputs import DiffusionRunnerOutput, DiffusionStats, empty_output
 from vllm_diffusion.worker.bad_words import undo_completed_words
+from vllm_diffusion.worker.grammar import GrammarCompiler, GrammarStep, advance
 from vllm_diffusion.worker.logprobs import (
     asked_count,
     own_columns,
@@ -104,6 +105,7 @@ class DiffusionRunnerMixin:
         self.diffusion_requests: dict[str, DiffusionRequest] = {}
         self.num_layers = self.vllm_config.model_config.hf_config.num_hidden_layers
         self.diffusion_stats = DiffusionStats()
+        self.grammars = GrammarCompiler(self.vllm_config, self.diffusion_stats)
 
     def worst_logits_chunk(self) -> list[int]:
         """Rows per request of the largest chunk of logits a step can make at once: whole
@@ -159,7 +161,8 @@ class DiffusionRunnerMixin:
                 failed[request.req_id] = self._fail_request(request.req_id,
                                                             "planning its step", err)
         stats = self.diffusion_stats
-        before = (stats.block_positions_computed, stats.block_positions_after_eviction)
+        before = (stats.block_positions_computed, stats.block_positions_after_eviction,
+                  stats.grammar_fills, stats.grammar_accepts)
         emitted: dict[str, EmittedTokens] = {}
         layer_rows: list[int] = []
         if rows:
@@ -180,6 +183,7 @@ class DiffusionRunnerMixin:
             layer_block_positions=layer_rows,
             committed_prefix={r.req_id: r.committed for r in rows if r.req_id not in failed},
             denoised_blocks=sum(r.request is not None and r.req_id not in failed for r in rows),
+            matcher_calls=(stats.grammar_fills - before[2], stats.grammar_accepts - before[3]),
             step_maps={r: e.step_map for r, e in emitted.items() if e.step_map is not None},
             failed_requests=failed,
         )
@@ -197,8 +201,10 @@ class DiffusionRunnerMixin:
         if request is None:
             extra_args = self.requests[req_id].sampling_params.extra_args
             config = self.diffusion.request_policy_config(extra_args)
+            params = self.requests[req_id].sampling_params
             request = DiffusionRequest(req_id, config, self.policy.new_state(config),
-                                       wants_step_map(extra_args))
+                                       wants_step_map(extra_args),
+                                       grammar=self.grammars.compile(params))
             self.diffusion_requests[req_id] = request
         return request
 
@@ -292,11 +298,16 @@ class DiffusionRunnerMixin:
         words = context.words
         requests = [b.rows.request for b in blocks]
         with_entropy = self.policy.wants_entropy(requests)
+        masked = torch.stack([b.rows.canvas.masked(mask_id) for b in blocks])
+        counts = [b.num_computed for b in blocks]
+        grammar = GrammarStep(self.grammars, [r.grammar for r in requests],
+                              [b.rows.req_id for b in blocks], masked)
         # The logits ([n, V]) are made and reduced a chunk of requests at a time.
         proposed = self.proposals.propose_from_hidden(
             self.model.compute_logits, hidden_states[hidden_index.to(self.device)],
-            [b.num_computed for b in blocks], params, [s.generator for s in states],
-            context.output_index, context.seen_tokens, with_entropy, context.output_canvas)
+            counts, params, [s.generator for s in states],
+            context.output_index, context.seen_tokens, with_entropy, context.output_canvas,
+            grammar.first_row_masks(where, counts) if grammar.active else None)
         # The step's one device-to-host copy: tokens, confidences (and entropies, and the
         # logprob columns) together, as float64 (which holds every token id exactly).
         # Scattered into [R, B] on the host, -inf / mask where not computed.
@@ -316,8 +327,10 @@ class DiffusionRunnerMixin:
         full_confidence[block_of_row, position_of_row] = table[1].float()
         computed = torch.zeros(len(blocks), block_size, dtype=torch.bool)
         computed[block_of_row, position_of_row] = True
-        masked = torch.stack([b.rows.canvas.masked(mask_id) for b in blocks])
-        commit_inputs = (full_confidence, masked & computed)
+        available = masked & computed
+        if grammar.active:  # only a grammar-valid run from the leftmost undecided position
+            grammar.constrain(proposals, full_confidence, available, computed)
+        commit_inputs = (full_confidence, available)
         if with_entropy:
             full_entropy = torch.zeros(len(blocks), block_size)
             full_entropy[block_of_row, position_of_row] = table[2].float()
@@ -331,6 +344,8 @@ class DiffusionRunnerMixin:
                 host[len(columns) * n:].view(-1, width))
         commits = self._ask_policy(self.policy.choose_commits, CommitBatch, requests,
                                    commit_inputs, failed, "choosing its commits")
+        if grammar.active:
+            grammar.restrict(commits)
         # The blocks after this step's commits and edits, for all requests at once.
         tokens_before = torch.stack([b.rows.canvas.tokens for b in blocks])
         tokens_after = torch.where(commits, proposals, tokens_before)
@@ -412,6 +427,8 @@ class DiffusionRunnerMixin:
         final = truncate_at_stop(decoded, state.sampling_params, len(state.output_token_ids))
         if request.wants_step_map:
             request.step_map.extend(decode_steps(canvas, num_known, len(final)))
+        if request.grammar is not None:
+            advance(self.grammars, request.grammar, request.req_id, final)
         state.output_token_ids.extend(final)
         stats = self.diffusion_stats
         stats.denoising_steps += 1

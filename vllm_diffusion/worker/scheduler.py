@@ -87,6 +87,13 @@ class BlockDiffusionScheduler(Scheduler):
             request.spec_token_ids = []
         return output
 
+    def get_grammar_bitmask(self, scheduler_output: SchedulerOutput) -> None:
+        """No core bitmask: the stock one masks the next position and the placeholder
+        block positions, and the engine core hands it only to ``sample_tokens``, which a
+        diffusion step never reaches; the runner keeps its own matchers
+        (``worker/grammar.py``). The core's acceptance check of emitted tokens stays on."""
+        return None
+
     def update_from_output(self, scheduler_output: SchedulerOutput,
                            model_runner_output: Any):
         runner_output = require_diffusion_output(model_runner_output)
@@ -127,7 +134,9 @@ class BlockDiffusionScheduler(Scheduler):
             block_positions=runner_output.block_positions[0],
             positions_after_eviction=runner_output.block_positions[1],
             committed_tokens=sum(len(t) for t in runner_output.sampled_token_ids),
-            layer_positions=tuple(runner_output.layer_block_positions)))
+            layer_positions=tuple(runner_output.layer_block_positions),
+            matcher_fills=runner_output.matcher_calls[0],
+            matcher_accepts=runner_output.matcher_calls[1]))
 
     def make_stats(self, spec_decoding_stats: SpecDecodingStats | None = None, *args: Any,
                    **kwargs: Any):

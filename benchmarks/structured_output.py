@@ -1,0 +1,146 @@
+"""Structured output on the default model: JSON-schema requests on its JSON task.
+
+Held-out problems of the quality corpus's ``json`` family ("Write a compact JSON object
+with name: Mia; age: 7."), each with a schema of its two to four typed fields (all
+required, no others), in the model's chat template; greedy, ``max_tokens`` 64. Runs, one
+engine at a time: the plugin (``standard``, block 16) without and with the schema, then
+stock vLLM decoding the same weights autoregressively, without and with the schema (its
+outputs are noise of a different kind: compare validity, ``length`` rates and overhead,
+not answers). Per run: finish reasons, the share of outputs that parse and validate, exact
+matches, tokens per denoising step (plugin), matcher calls per step, wall time and the
+grammar's share of it (plugin; batches of up to 32 requests).
+
+    python benchmarks/structured_output.py --problems 60
+writes results/structured_output.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import time
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def schema_of(answer: str) -> dict:
+    fields = json.loads(answer)
+    return {"type": "object",
+            "properties": {k: {"type": "integer" if isinstance(v, int) else "string"}
+                           for k, v in fields.items()},
+            "required": list(fields), "additionalProperties": False}
+
+
+def score(outputs, examples) -> dict:
+    import jsonschema
+
+    reasons: dict[str, int] = {}
+    valid = exact = 0
+    for output, example in zip(outputs, examples):
+        choice = output.outputs[0]
+        reasons[choice.finish_reason] = reasons.get(choice.finish_reason, 0) + 1
+        try:
+            value = json.loads(choice.text)
+            jsonschema.validate(value, schema_of(example.answer))
+            valid += 1
+            exact += int(value == json.loads(example.answer))
+        except (json.JSONDecodeError, jsonschema.ValidationError):
+            pass
+    n = len(examples)
+    return {"finish_reasons": reasons, "stop_rate": reasons.get("stop", 0) / n,
+            "valid_rate": valid / n, "exact_rate": exact / n,
+            "output_tokens": sum(len(o.outputs[0].token_ids) for o in outputs)}
+
+
+class GrammarTimer:
+    """Wall time spent in the runner's grammar work (the mask at F, the walk, the commit
+    restriction, advancing matchers), by wrapping those functions in this process (the
+    benchmark's engine runs in-process)."""
+
+    def __init__(self) -> None:
+        from vllm_diffusion.worker import grammar, runner
+
+        self.seconds = 0.0
+        targets = [(grammar.GrammarStep, "first_row_masks"), (grammar.GrammarStep, "constrain"),
+                   (grammar.GrammarStep, "restrict"), (runner, "advance")]
+        for owner, name in targets:
+            setattr(owner, name, self.timed(getattr(owner, name)))
+
+    def timed(self, function):
+        def wrapper(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return function(*args, **kwargs)
+            finally:
+                self.seconds += time.perf_counter() - start
+        return wrapper
+
+
+def run(llm, examples, with_schema: bool, diffusion: bool,
+        timer: GrammarTimer | None = None) -> dict:
+    from vllm import SamplingParams
+    from vllm.sampling_params import StructuredOutputsParams
+
+    from vllm_diffusion_lab.offline import stats_delta
+    from vllm_diffusion_lab.quality.harness import chat_prompts
+
+    prompts = chat_prompts(llm.get_tokenizer(), examples)
+    params = [SamplingParams(temperature=0, max_tokens=64, structured_outputs=(
+        StructuredOutputsParams(json=schema_of(e.answer)) if with_schema else None))
+        for e in examples]
+    before = llm.collective_rpc("diffusion_stats")[0] if diffusion else None
+    grammar_before = timer.seconds if timer else 0.0
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    wall = time.perf_counter() - start
+    result = {"schema": with_schema, "wall_s": round(wall, 3), **score(outputs, examples)}
+    if timer is not None:
+        result["grammar_share_of_wall"] = round((timer.seconds - grammar_before) / wall, 3)
+    result["tokens_per_s"] = round(result["output_tokens"] / wall, 1)
+    if diffusion:
+        stats = stats_delta(before, llm.collective_rpc("diffusion_stats")[0])
+        result["tokens_per_step"] = round(stats["tokens_committed_per_denoising_step"], 3)
+        result["denoising_steps"] = stats["denoising_steps"]
+        result["matcher_fills_per_step"] = round(
+            stats["grammar_fills"] / max(stats["denoising_steps"], 1), 2)
+        result["matcher_accepts_per_step"] = round(
+            stats["grammar_accepts"] / max(stats["denoising_steps"], 1), 2)
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--problems", type=int, default=60)
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--skip-autoregressive", action="store_true")
+    parser.add_argument("--out", type=pathlib.Path,
+                        default=ROOT / "results/structured_output.json")
+    args = parser.parse_args()
+    from vllm_diffusion.default_model import default_model_path
+    from vllm_diffusion_lab.offline import autoregressive_llm, diffusion_llm
+    from vllm_diffusion_lab.quality.corpus import generate_examples
+
+    examples = generate_examples(args.problems, 17, ("json",), split="eval")
+    model = default_model_path()
+    report = {"problems": args.problems, "block_size": args.block_size, "runs": {}}
+    timer = GrammarTimer()
+    with diffusion_llm(model, diffusion_block_size=args.block_size, max_model_len=512,
+                       max_num_seqs=32, enforce_eager=False) as llm:
+        for with_schema in (False, True):
+            name = f"plugin{' + schema' if with_schema else ''}"
+            report["runs"][name] = run(llm, examples, with_schema, diffusion=True,
+                                       timer=timer)
+            print(name, json.dumps(report["runs"][name]))
+    if not args.skip_autoregressive:
+        with autoregressive_llm(model, max_model_len=512, max_num_seqs=32) as llm:
+            for with_schema in (False, True):
+                name = f"autoregressive{' + schema' if with_schema else ''}"
+                report["runs"][name] = run(llm, examples, with_schema, diffusion=False)
+                print(name, json.dumps(report["runs"][name]))
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,243 @@
+"""Structured output (JSON schema, regex, choice, grammar) in block decoding.
+
+vLLM's engine core compiles each request's grammar and, autoregressively, masks one next
+position per step; a diffusion step proposes a whole block at once, so the runner keeps
+its own matcher per request (compiled here with vLLM's own backend classes: xgrammar or
+llguidance, both able to roll back) and the core's acceptance check stays on as a guard.
+
+The decoding rule. Commits are kept to a run contiguous from F, the request's leftmost
+undecided position, so the emitted output is always everything before F and the matcher's
+state is the emitted output. In a step:
+
+1. the grammar's mask at F is applied to F's logits (the ``grammar`` logit stage), so F's
+   proposal and its confidence are the constrained ones;
+2. the walk (``walk``): from F rightwards over the positions computed this step: where
+   the grammar forces text (xgrammar's jump-forward string, tokenized by the model's
+   tokenizer, all but its last token; or a single allowed token) those tokens are the
+   candidates, with confidence 1, whatever the model proposed; elsewhere the candidate is the model's proposal if the
+   grammar accepts it; the walk stops at the first position with neither, at a position
+   not computed this step, or once the grammar is complete; the matcher is rolled back;
+3. the policy chooses commits among the walked positions (its usual rule, with the
+   candidates and their confidences); only the run contiguous from F is kept, and F is
+   always committed (every step makes progress);
+4. the emitted tokens advance the matcher.
+
+Nothing the grammar forbids is ever committed. Positions after F are proposed without the
+mask (one fill per walked position is the grammar's whole cost; masking every row would
+need the matcher state at each, which depends on the tokens before it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+
+ROLLBACK_BACKENDS = ("xgrammar", "guidance")  # backends whose matchers can roll back
+
+
+class GrammarCompiler:
+    """Compiles requests' grammars in the worker with vLLM's backend for them."""
+
+    def __init__(self, vllm_config: Any, stats: Any) -> None:
+        """stats: the runner's counters (``grammar_fills``, ``grammar_accepts``)."""
+        self.vllm_config = vllm_config
+        self.vocab_size = vllm_config.model_config.get_vocab_size()
+        self.backends: dict[str, Any] = {}
+        self.tokenizer: Any = None
+        self.words = (self.vocab_size + 31) // 32
+        self.stats = stats
+
+    def _backend(self, name: str) -> Any:
+        if name not in self.backends:
+            from vllm.tokenizers import cached_tokenizer_from_config
+
+            tokenizer = cached_tokenizer_from_config(model_config=self.vllm_config.model_config)
+            self.tokenizer = tokenizer
+            if name == "xgrammar":
+                from vllm.v1.structured_output.backend_xgrammar import XgrammarBackend
+                backend_cls = XgrammarBackend
+            elif name == "guidance":
+                from vllm.v1.structured_output.backend_guidance import GuidanceBackend
+                backend_cls = GuidanceBackend
+            else:
+                raise ValueError(f"structured output backend {name!r} cannot roll back; "
+                                 f"block decoding needs one of {ROLLBACK_BACKENDS}")
+            self.backends[name] = backend_cls(self.vllm_config, tokenizer=tokenizer,
+                                              vocab_size=self.vocab_size)
+        return self.backends[name]
+
+    def compile(self, params: Any) -> Any | None:
+        """The request's grammar matcher (vLLM's ``StructuredOutputGrammar``), or None when
+        the request has no structured output."""
+        from vllm.v1.structured_output.request import StructuredOutputRequest
+
+        request = StructuredOutputRequest.from_sampling_params(params)
+        if request is None:
+            return None
+        kind, spec = request.structured_output_key
+        return self._backend(params.structured_outputs._backend).compile_grammar(
+            kind, spec, stop_token_ids=params.all_stop_token_ids)
+
+    def jump_forward(self, grammar: Any) -> list[int]:
+        """The tokens of the text the grammar forces next (xgrammar's jump-forward
+        string, tokenized), but the last: the text after it may merge with its end into a
+        token the model would rather use (``"`` then ``:`` against ``":``), so the model
+        proposes that one. Empty where there is no such text or no such query."""
+        matcher = getattr(grammar, "matcher", None)
+        find = getattr(matcher, "find_jump_forward_string", None)
+        text = find() if find is not None else ""
+        return self.tokenizer.encode(text, add_special_tokens=False)[:-1] if text else []
+
+    def allowed(self, grammar: Any) -> torch.Tensor:
+        """[W] int32: the grammar's bitmask of the tokens allowed next (bit t % 32 of word
+        t // 32)."""
+        bitmask = torch.full((1, self.words), -1, dtype=torch.int32)
+        grammar.fill_bitmask(bitmask, 0)
+        self.stats.grammar_fills += 1
+        return bitmask[0]
+
+
+def unpack(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """[W] int32 bitmask -> [vocab_size] bool."""
+    bits = (bitmask[:, None] >> torch.arange(32, dtype=torch.int32)) & 1
+    return bits.flatten()[:vocab_size].bool()
+
+
+def is_allowed(bitmask: torch.Tensor, token: int) -> bool:
+    return bool((int(bitmask[token // 32]) >> (token % 32)) & 1)
+
+
+def forced_token(bitmask: torch.Tensor, vocab_size: int) -> int | None:
+    """The only allowed token, or None when there are several (or none)."""
+    allowed = torch.nonzero(unpack(bitmask, vocab_size)).flatten()
+    return int(allowed[0]) if len(allowed) == 1 else None
+
+
+@dataclasses.dataclass
+class Walk:
+    """A request's walk over its block: candidates from F rightwards."""
+
+    tokens: list[int]  # candidate of each walked position, F first
+    confidence: list[float]
+    forced: list[bool]
+
+
+def walk(compiler: GrammarCompiler, grammar: Any, req_id: str, proposals: list[int],
+         confidence: list[float], computed: list[bool], first: int) -> Walk:
+    """The walk from block position ``first`` (F); see the module docstring. proposals,
+    confidence, computed: the block's positions this step. Leaves the matcher as it was."""
+    result = Walk([], [], [])
+    vocab = compiler.vocab_size
+    position = first
+    while position < len(proposals) and computed[position] and not grammar.is_terminated():
+        # The text the grammar forces from here, then one position by its mask.
+        forced = compiler.jump_forward(grammar)
+        if not forced:
+            bitmask = compiler.allowed(grammar)
+            only = forced_token(bitmask, vocab)
+            if only is not None:
+                forced = [only]
+            elif not is_allowed(bitmask, proposals[position]):
+                break
+        candidates = forced or [proposals[position]]
+        taken = 0
+        for token in candidates:
+            if (position >= len(proposals) or not computed[position]
+                    or grammar.is_terminated() or not grammar.accept_tokens(req_id, [token])):
+                break
+            compiler.stats.grammar_accepts += 1
+            result.tokens.append(token)
+            result.confidence.append(1.0 if forced else confidence[position])
+            result.forced.append(bool(forced))
+            position += 1
+            taken += 1
+        if taken < len(candidates):
+            break
+    if result.tokens:
+        grammar.rollback(len(result.tokens))
+    return result
+
+
+class GrammarStep:
+    """The grammar's part of one denoising step, for the step's R blocks (those whose
+    request has no grammar are left alone)."""
+
+    def __init__(self, compiler: GrammarCompiler, grammars: list[Any], req_ids: list[str],
+                 masked: torch.Tensor) -> None:
+        """grammars: per block, its request's matcher or None; masked: [R, B] bool. A
+        complete grammar constrains nothing more (as in vLLM's autoregressive path, where
+        only ``ignore_eos`` lets a request go on after it)."""
+        self.compiler = compiler
+        self.grammars = [None if g is not None and g.is_terminated() else g
+                         for g in grammars]
+        self.req_ids = req_ids
+        self.first = [int(torch.nonzero(m).flatten()[0]) if g is not None and bool(m.any())
+                      else -1 for g, m in zip(grammars, masked)]
+        self.walks: list[Walk | None] = [None] * len(grammars)
+
+    @property
+    def active(self) -> bool:
+        return any(f >= 0 for f in self.first)
+
+    def first_row_masks(self, where: torch.Tensor, counts: list[int]
+                        ) -> list[tuple[int, torch.Tensor] | None]:
+        """Per block, (F's row within the block's rows, [V] bool tokens allowed at F) for
+        the ``grammar`` logit stage, or None (no grammar, or F not computed this step).
+        where: [n, 2] each row's (block, position), blocks' rows consecutive."""
+        masks: list[tuple[int, torch.Tensor] | None] = []
+        start = 0
+        for block, (grammar, first, count) in enumerate(zip(self.grammars, self.first,
+                                                            counts)):
+            rows = where[start:start + count, 1]
+            start += count
+            hit = torch.nonzero(rows == first).flatten() if first >= 0 else []
+            if grammar is None or len(hit) == 0:
+                masks.append(None)
+                continue
+            bitmask = self.compiler.allowed(grammar)
+            masks.append((int(hit[0]), unpack(bitmask, self.compiler.vocab_size)))
+        return masks
+
+    def constrain(self, proposals: torch.Tensor, confidence: torch.Tensor,
+                  available: torch.Tensor, computed: torch.Tensor) -> None:
+        """Walk every grammar block (in place, [R, B] each): its walked positions get their
+        candidates and confidences and are the only ones available to commit."""
+        for block, (grammar, first) in enumerate(zip(self.grammars, self.first)):
+            if grammar is None:
+                continue
+            available[block] = False
+            if first < 0:
+                continue
+            found = walk(self.compiler, grammar, self.req_ids[block],
+                         proposals[block].tolist(), confidence[block].tolist(),
+                         computed[block].tolist(), first)
+            self.walks[block] = found
+            span = slice(first, first + len(found.tokens))
+            proposals[block, span] = torch.tensor(found.tokens, dtype=proposals.dtype)
+            confidence[block, span] = torch.tensor(found.confidence, dtype=confidence.dtype)
+            available[block, span] = True
+
+    def restrict(self, commits: torch.Tensor) -> None:
+        """Keep each grammar block's commits to the run contiguous from F (F always)."""
+        for block, found in enumerate(self.walks):
+            if self.grammars[block] is None:
+                continue
+            chosen = commits[block].clone()
+            commits[block] = False
+            if not found or not found.tokens:
+                continue
+            first = self.first[block]
+            end = first + 1
+            while end < first + len(found.tokens) and bool(chosen[end]):
+                end += 1
+            commits[block, first:end] = True
+
+
+def advance(compiler: GrammarCompiler, grammar: Any, req_id: str, tokens: list[int]) -> None:
+    """The request's emitted tokens advance its matcher; a token it rejects (which the
+    walk rules out) fails the request."""
+    if tokens and not grammar.accept_tokens(req_id, tokens):
+        raise RuntimeError(f"the grammar rejected emitted tokens {tokens}")
+    compiler.stats.grammar_accepts += len(tokens)
