@@ -11,7 +11,10 @@ matches, tokens per denoising step (plugin), matcher calls per step, wall time a
 grammar's share of it (plugin; batches of up to 32 requests).
 
     python benchmarks/structured_output.py --problems 60
-writes results/structured_output.json.
+writes results/structured_output.json. With ``--served`` the schema requests go through
+``vllm serve`` instead (chat completions with ``response_format`` json_schema, 32 at a
+time, the model's chat template applied by the server): finish reasons, validity, and
+tokens per denoising step from the server's ``/metrics``.
 """
 
 from __future__ import annotations
@@ -109,11 +112,69 @@ def run(llm, examples, with_schema: bool, diffusion: bool,
     return result
 
 
+def metric(url: str, name: str) -> float:
+    import re
+
+    import requests
+
+    text = requests.get(f"{url}/metrics", timeout=10).text
+    return sum(float(v) for v in re.findall(rf"^{re.escape(name)}\{{[^}}]*\}} ([0-9.e+-]+)$",
+                                            text, re.MULTILINE))
+
+
+def served(model, examples, block_size: int) -> dict:
+    """The schema requests through ``vllm serve`` (standard policy, greedy, 64 tokens)."""
+    import concurrent.futures
+
+    import jsonschema
+    import requests
+
+    from vllm_diffusion_lab.fixtures.server import vllm_server
+
+    with vllm_server(model, "--diffusion-policy", "standard", "--max-model-len", "512",
+                     "--additional-config", json.dumps({"diffusion_block_size": block_size}),
+                     "--max-num-seqs", "32") as url:
+        def ask(example):
+            body = {"model": str(model), "temperature": 0, "max_tokens": 64,
+                    "messages": [{"role": "user", "content": example.prompt}],
+                    "response_format": {"type": "json_schema", "json_schema": {
+                        "name": "fields", "schema": schema_of(example.answer)}}}
+            return requests.post(f"{url}/v1/chat/completions", json=body, timeout=300).json()
+
+        steps = metric(url, "vllm:diffusion_num_denoising_steps_total")
+        tokens = metric(url, "vllm:diffusion_num_committed_tokens_total")
+        start = time.perf_counter()
+        with concurrent.futures.ThreadPoolExecutor(32) as pool:
+            answers = list(pool.map(ask, examples))
+        wall = time.perf_counter() - start
+        steps = metric(url, "vllm:diffusion_num_denoising_steps_total") - steps
+        tokens = metric(url, "vllm:diffusion_num_committed_tokens_total") - tokens
+    reasons: dict[str, int] = {}
+    valid = stopped_valid = 0
+    for answer, example in zip(answers, examples):
+        choice = answer["choices"][0]
+        reasons[choice["finish_reason"]] = reasons.get(choice["finish_reason"], 0) + 1
+        try:
+            jsonschema.validate(json.loads(choice["message"]["content"]),
+                                schema_of(example.answer))
+            valid += 1
+            stopped_valid += choice["finish_reason"] == "stop"
+        except (json.JSONDecodeError, jsonschema.ValidationError):
+            pass
+    n = len(examples)
+    return {"finish_reasons": reasons, "stop_rate": reasons.get("stop", 0) / n,
+            "valid_rate": valid / n,
+            "stopped_valid_rate": stopped_valid / max(reasons.get("stop", 0), 1),
+            "tokens_per_step": round(tokens / max(steps, 1), 3), "wall_s": round(wall, 3)}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--problems", type=int, default=60)
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--skip-autoregressive", action="store_true")
+    parser.add_argument("--served", action="store_true",
+                        help="send the schema requests through vllm serve")
     parser.add_argument("--out", type=pathlib.Path,
                         default=ROOT / "results/structured_output.json")
     args = parser.parse_args()
@@ -124,6 +185,12 @@ def main() -> None:
     examples = generate_examples(args.problems, 17, ("json",), split="eval")
     model = default_model_path()
     report = {"problems": args.problems, "block_size": args.block_size, "runs": {}}
+    if args.served:
+        report["runs"]["served plugin + schema"] = served(model, examples, args.block_size)
+        print(json.dumps(report["runs"]["served plugin + schema"]))
+        out = args.out.with_name(args.out.stem + "_served.json")
+        out.write_text(json.dumps(report, indent=1) + "\n")
+        return
     timer = GrammarTimer()
     with diffusion_llm(model, diffusion_block_size=args.block_size, max_model_len=512,
                        max_num_seqs=32, enforce_eager=False) as llm:

@@ -1,11 +1,12 @@
 """The sampling surface composed with every policy: logprobs, bad_words, logit_bias,
-allowed_token_ids and min_tokens in one batch, with n = 2 sampled choices, under each
-decoding policy (one engine per policy, a 4-layer model so that every policy's hook
-layers exist)."""
+allowed_token_ids, min_tokens and a grammar in one batch, with n = 2 sampled choices,
+under each decoding policy (one engine per policy, a 4-layer model so that every policy's
+hook layers exist)."""
 
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 from conftest import diffusion_llm
@@ -14,6 +15,7 @@ from test_logprobs_bad_words import letters
 
 from vllm import SamplingParams
 from vllm.inputs import TokensPrompt
+from vllm.sampling_params import StructuredOutputsParams
 
 from vllm_diffusion_lab.fixtures.tiny_sdar import build_tiny_sdar
 
@@ -50,7 +52,8 @@ def test_every_parameter_holds_under_every_policy(policy, checkpoint, tmp_path):
         outputs = llm.generate(
             [TokensPrompt(prompt_token_ids=[5, 6, 7]),
              TokensPrompt(prompt_token_ids=[8, 9, 10, 11, 12, 13, 14, 15, 16, 17]),
-             TokensPrompt(prompt_token_ids=[20, 21])],
+             TokensPrompt(prompt_token_ids=[20, 21]),
+             TokensPrompt(prompt_token_ids=[30, 31, 32, 33, 34])],
             [SamplingParams(temperature=0.8, seed=5, n=2, max_tokens=16, ignore_eos=True,
                             logprobs=2, logit_bias={first: 100.0, second: 80.0},
                             bad_words=[tok.decode([first]) * 2]),
@@ -58,7 +61,10 @@ def test_every_parameter_holds_under_every_policy(policy, checkpoint, tmp_path):
                             allowed_token_ids=allowed, logit_bias={stop: 100.0},
                             logprobs=0),
              SamplingParams(temperature=0, max_tokens=10, ignore_eos=True,
-                            repetition_penalty=1.3, presence_penalty=0.5)],
+                            repetition_penalty=1.3, presence_penalty=0.5),
+             SamplingParams(temperature=1.0, seed=7, n=2, max_tokens=40,
+                            structured_outputs=StructuredOutputsParams(
+                                regex="[a-d]{4}( [a-d]{2,3}){2,4}"))],
             use_tqdm=False)
         for choice in outputs[0].outputs:
             tokens = list(choice.token_ids)
@@ -72,3 +78,6 @@ def test_every_parameter_holds_under_every_policy(policy, checkpoint, tmp_path):
         assert set(bounded.token_ids[:6]) <= {11, 12, 13}
         assert [list(e) for e in bounded.logprobs] == [[t] for t in bounded.token_ids]
         assert len(outputs[2].outputs[0].token_ids) == 10
+        for choice in outputs[3].outputs:
+            assert choice.finish_reason == "stop"
+            assert re.fullmatch("[a-d]{4}( [a-d]{2,3}){2,4}", choice.text), choice.text

@@ -77,7 +77,7 @@ CATALOGUE = [
     ({"max_tokens": -1}, "max_tokens"),
     ({"logprobs": True, "top_logprobs": 30}, "logprobs"),
     ({"echo": True}, "echo"),
-    ({"structured_outputs": {"regex": "a+"}}, "the 'focus' policy may skip"),
+    ({"structured_outputs": {"regex": "a+"}, "logprobs": True}, "structured_outputs: logprobs"),
     ({"min_tokens": -1}, "min_tokens"),
     ({"frequency_penalty": 5.0}, "frequency_penalty"),
 ]

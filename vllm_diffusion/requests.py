@@ -78,15 +78,10 @@ def validate_sampling_params(params: Any, config: DiffusionEngineConfig) -> None
             parameter="n", value=params.n)
 
 
-# Policies whose forward may leave a block's leftmost undecided position uncomputed
-# (FOCUS's eviction, ES-dLLM's skipping), which a grammar's walk starts from.
-_SKIPS_POSITIONS = ("focus", "es")
-
-
 def _check_structured_outputs(params: Any, config: DiffusionEngineConfig,
                               policy_config: Any) -> None:
-    """Structured output runs with a backend that can roll back, without token editing,
-    logprobs, or a policy that may skip the leftmost undecided position."""
+    """Structured output runs with a backend that can roll back, without token editing
+    or logprobs."""
     wanted = params.structured_outputs
     if wanted is None or wanted.all_constraints_none():
         return
@@ -102,9 +97,6 @@ def _check_structured_outputs(params: Any, config: DiffusionEngineConfig,
     if getattr(policy_config, "editing_threshold", None) is not None:
         refuse("token editing (editing_threshold) changes emitted tokens, which a grammar "
                "cannot follow; remove editing_threshold from this request")
-    if config.policy_name in _SKIPS_POSITIONS:
-        refuse(f"the {config.policy_name!r} policy may skip the leftmost undecided position "
-               "that the grammar constrains; serve with another --diffusion-policy")
     if params.logprobs is not None or params.logprob_token_ids:
         refuse("logprobs of grammar-forced tokens are not defined yet; remove logprobs")
 

@@ -323,7 +323,10 @@ class EsPolicy(StrategyPolicy[EsConfig, EsState]):
         state, config = request.policy_state, request.policy_config
         step = request.canvas.steps
         period = config.refresh_period
+        # A request with a grammar skips nothing: the grammar's walk starts at the
+        # leftmost undecided position and checks the positions right of it.
         state.full_step = (state.kv_lost or config.skip_ratio == 0.0
+                           or request.grammar is not None
                            or (period is not None and step % period == 0)
                            or step >= config.steps_for(self.block_size) - 1)
         return WHOLE_BLOCK

@@ -8,7 +8,7 @@ budget, selects the retained positions for all requests in one batched call, and
 the rows that continue. An evicting request's keys are cut after its rightmost retained
 position: positions left of it have KV at every layer (placeholder integrity), positions
 right of it may not. Rows that are not block rows of an evicting request (prefill and
-commit rows, and requests with ``evict=False``) always continue.
+commit rows, requests with ``evict=False`` and requests with a grammar) always continue.
 """
 
 from __future__ import annotations
@@ -39,7 +39,10 @@ class FocusStepHooks(StepHooks):
         self.device = step.device
         self.blocks: list[EvictingBlock] = []
         for index, s in enumerate(step.requests):
-            if s.request is None or not s.request.policy_config.evict:
+            # A request with a grammar evicts nothing: the grammar's walk starts at the
+            # leftmost undecided position and checks the positions right of it.
+            if (s.request is None or not s.request.policy_config.evict
+                    or s.request.grammar is not None):
                 continue
             masked = s.request.canvas.masked(mask_token_id)
             processing = torch.zeros_like(masked)

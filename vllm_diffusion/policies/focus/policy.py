@@ -157,7 +157,7 @@ class FocusPolicy(StrategyPolicy[FocusConfig, FocusRequestState]):
 
     def forward_hooks(self, step: ForwardStep) -> StepHooks | None:
         if not any(s.request is not None and s.request.policy_config.evict
-                   for s in step.requests):
+                   and s.request.grammar is None for s in step.requests):
             return None
         return FocusStepHooks(step, self.eviction_layer, self.mask_token_id)
 
