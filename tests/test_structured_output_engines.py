@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pathlib
 import random
+import re
 
 import pytest
 from conftest import (
@@ -61,3 +62,26 @@ def test_abort_mid_block_frees_kv_and_a_permissive_grammar_changes_nothing():
             structured_outputs=StructuredOutputsParams(regex=r"[\s\S]*")), use_tqdm=False)
         for a, b in zip(free, permissive):
             assert list(b.outputs[0].token_ids) == list(a.outputs[0].token_ids)
+
+
+def test_the_llguidance_backend_enforces_the_same_grammars(dense_checkpoint):
+    """With ``--structured-outputs-config.backend guidance`` (llguidance, whose matcher
+    rolls back with a lag after a stop token) the same grammars hold, greedy and sampled,
+    one position or a whole block per step."""
+    grammars = {"[a-c]{5}x": StructuredOutputsParams(regex="[a-c]{5}x"),
+                "alpha|beta": StructuredOutputsParams(choice=["alpha", "beta"]),
+                "the quick brown fox jumps": StructuredOutputsParams(
+                    regex="the quick brown fox jumps")}
+    with diffusion_llm(dense_checkpoint, diffusion_block_size=8, max_model_len=128,
+                       structured_outputs_config={"backend": "guidance"}) as llm:
+        for pattern, so in grammars.items():
+            params = [SamplingParams(temperature=temperature, seed=seed, max_tokens=40,
+                                     structured_outputs=so, extra_args=options)
+                      for options in ({"strategy": "threshold", "threshold": 0.0},
+                                      {"strategy": "sequential"})
+                      for temperature, seed in ((0.0, None), (1.0, 3))]
+            outputs = llm.generate([TokensPrompt(prompt_token_ids=[5, 6, 7])] * len(params),
+                                   params, use_tqdm=False)
+            for out in outputs:
+                assert out.outputs[0].finish_reason == "stop"
+                assert re.fullmatch(pattern, out.outputs[0].text), out.outputs[0].text
