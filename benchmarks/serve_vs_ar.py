@@ -10,8 +10,7 @@ defaults, compiled); the plugin's servers run eagerly. Reported per configuratio
 output tokens/s and P90 TPOT; and per configuration the highest rate whose P90 TPOT stays
 under the SLO. JSON and a PNG plot.
 
-    python benchmarks/serve_vs_ar.py --latency-profile results/latency.json \
-        [--rates 1 2 4 8 16 32] [--slo-ms 100]
+    python benchmarks/serve_vs_ar.py [--rates 1 2 4 8 16 32] [--slo-ms 100]
 """
 
 from __future__ import annotations
@@ -29,8 +28,10 @@ def server_args(name: str, profile: str | None) -> list[str]:
     common = ["--max-model-len", "1024", "--max-num-seqs", "64"]
     if name == "autoregressive":
         return common
-    config = {"standard B=4": {"diffusion_block_size": 4},
-              "elastic B=32": {"diffusion_block_size": 32, "latency_profile": profile}}[name]
+    elastic = {"diffusion_block_size": 32}
+    if profile is not None:  # a warm start for the latency model (optional)
+        elastic["latency_profile"] = profile
+    config = {"standard B=4": {"diffusion_block_size": 4}, "elastic B=32": elastic}[name]
     policy = "elastic" if name.startswith("elastic") else "standard"
     return common + ["--diffusion-policy", policy, "--additional-config", json.dumps(config)]
 
@@ -43,7 +44,7 @@ def main() -> None:
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--slo-ms", type=float, default=100.0, help="P90 TPOT objective")
     parser.add_argument("--latency-profile", default=None,
-                        help="for the elastic server (without it elastic is left out)")
+                        help="a warm start for the elastic server's latency model (optional)")
     parser.add_argument("--out-dir", type=pathlib.Path, default=ROOT / "results/serve_vs_ar")
     args = parser.parse_args()
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # the same KV budget for every server
@@ -54,8 +55,7 @@ def main() -> None:
 
     if args.latency_profile:
         args.latency_profile = str(pathlib.Path(args.latency_profile).resolve())
-    names = ["autoregressive", "standard B=4"] + (["elastic B=32"] if args.latency_profile
-                                                  else [])
+    names = ["autoregressive", "standard B=4", "elastic B=32"]
     args.out_dir.mkdir(parents=True, exist_ok=True)
     sharegpt = args.out_dir / "sharegpt_eval.json"
     write_sharegpt(sharegpt, args.num_prompts)

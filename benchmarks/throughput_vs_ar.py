@@ -25,9 +25,8 @@ random-weight SDAR of 12 layers, hidden 768 (12 query / 4 KV heads of 64), writt
 request (``ignore_eos``). Random weights commit about one token per step, so these
 figures show the cost side (rows and time per step), not diffusion's parallelism.
 
-    python tools/profile_latency.py --out results/latency.json
-    python benchmarks/throughput_vs_ar.py --latency-profile results/latency.json \
-        [--batch-sizes 1 2 4 8 16 32 64] [--rounds 2]
+    python benchmarks/throughput_vs_ar.py [--batch-sizes 1 2 4 8 16 32 64] [--rounds 2]
+        [--latency-profile results/latency.json]  # a warm start for elastic (optional)
 """
 
 from __future__ import annotations
@@ -55,7 +54,10 @@ CONFIGS = {
                                {"chunk_size": 4, "chunk_reuse": True}),
     "chunk 8 of B=32, reuse": (32, {"diffusion_policy": "standard"},
                                {"chunk_size": 8, "chunk_reuse": True}),
-    # the latency profile is filled in from --latency-profile
+    "chunk 16 of B=32, reuse": (32, {"diffusion_policy": "standard"},
+                                {"chunk_size": 16, "chunk_reuse": True}),
+    # no options: the latency model is learned from the steps (--latency-profile: a
+    # warm start)
     "elastic B=32": (32, {"diffusion_policy": "elastic"}, {}),
     "elastic B=32, exact": (32, {"diffusion_policy": "elastic"}, {"chunk_reuse": False}),
 }
@@ -187,17 +189,16 @@ def main() -> None:
     parser.add_argument("--shape", choices=("embedded", "large"), default="embedded",
                         help="the embedded model, or the compute-bound random-weight shape")
     parser.add_argument("--latency-profile", default=None,
-                        help="tools/profile_latency.py output for the elastic configurations "
-                             "(without it they are left out)")
+                        help="tools/profile_latency.py output to warm-start the elastic "
+                             "configurations' latency model (optional)")
     parser.add_argument("--out", type=pathlib.Path, default=ROOT / "results/throughput_vs_ar.json")
     args = parser.parse_args()
     if args.shape == "large":
         args.configs = [c for c in args.configs if c in LARGE_CONFIGS]
         args.max_tokens = 64
-    if args.latency_profile is None:
-        args.configs = [c for c in args.configs if c not in ELASTIC]
-    for name in ELASTIC:
-        CONFIGS[name][1]["latency_profile"] = args.latency_profile
+    if args.latency_profile is not None:
+        for name in ELASTIC:
+            CONFIGS[name][1]["latency_profile"] = args.latency_profile
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # the same KV budget for every engine
 

@@ -10,8 +10,14 @@ from conftest import diffusion_llm
 
 from vllm import SamplingParams
 
-from vllm_diffusion.policies.elastic import ElasticPolicy, ElasticConfig
-from vllm_diffusion.policies.latency_model import LatencyProfile, fit_piecewise
+from vllm_diffusion.policies.elastic import (
+    STAGES,
+    ChunkStatistics,
+    ElasticConfig,
+    ElasticPolicy,
+    stage_of,
+)
+from vllm_diffusion.policies.latency_model import LatencyProfile, OnlineLatency, fit_piecewise
 
 MODEL = {"architectures": ["SDARForCausalLM"]}
 
@@ -34,14 +40,35 @@ def test_fit_recovers_three_regimes():
         assert fitted.seconds(x) == pytest.approx(truth.seconds(x), rel=1e-6)
 
 
+class Canvas:
+    """A stand-in for a request's canvas with ``masked`` undecided positions."""
+
+    def __init__(self, block: int, masked: int) -> None:
+        import torch
+
+        self.tokens = torch.zeros(block, dtype=torch.long)
+        self.tokens[:masked] = 3
+
+    def masked(self, mask_token_id: int):
+        return self.tokens == mask_token_id
+
+
+def requests_at(count: int, block: int, masked: int) -> list:
+    import types
+
+    return [types.SimpleNamespace(req_id=str(i), canvas=Canvas(block, masked))
+            for i in range(count)]
+
+
 def test_chosen_chunk_follows_load():
     policy = ElasticPolicy(32, 3, ElasticConfig(warmup_steps=0, explore_every=10_000))
-    policy.profile = saturating_profile(capacity=128)
+    policy.latency = OnlineLatency(MODEL, warm_start=saturating_profile(capacity=128))
     # Observed: commits grow with the chunk, with diminishing returns; rows = chunk.
     for chunk, commits in ((1, 1.0), (2, 1.6), (4, 2.2), (8, 2.8), (16, 3.2), (32, 3.5)):
         for _ in range(10):
-            policy.statistics.observe(chunk, commits, chunk)
-    chosen = {batch: policy.choose_chunk(batch) for batch in (1, 2, 4, 8, 16, 32, 64)}
+            policy.statistics.observe(chunk, 0, commits, chunk)
+    chosen = {batch: policy.choose_chunk(requests_at(batch, 32, 32))
+              for batch in (1, 2, 4, 8, 16, 32, 64)}
     # Idle machine: the whole block (most commits per step, same latency); saturated:
     # ever smaller chunks; never larger when the load grows.
     assert chosen[1] == 32 and chosen[64] <= 4
@@ -49,17 +76,54 @@ def test_chosen_chunk_follows_load():
     assert sizes == sorted(sizes, reverse=True) and len(set(sizes)) >= 3
 
 
-def test_warmup_and_exploration():
+def test_estimates_follow_the_stage_and_interpolate_between_sizes():
+    statistics = ChunkStatistics()
+    for _ in range(10):
+        statistics.observe(4, 0, 1, 4)  # early in a block: one commit per step
+        statistics.observe(4, 3, 3, 4)  # late: three
+        statistics.observe(8, 0, 2, 8)
+    assert statistics.estimate(4, 0, 16) == (1.0, 4.0)
+    assert statistics.estimate(4, 3, 16) == (3.0, 4.0)
+    assert statistics.estimate(4, 1, 16) == (2.0, 4.0)  # the size over its stages
+    # 6, never observed: halfway between 4 (mean 2 commits) and 8 (2 commits, 8 rows)
+    assert statistics.estimate(6, 0, 16) == (2.0, 6.0)
+    assert stage_of(16, 16) == 0 and stage_of(1, 16) == STAGES - 1
+
+
+def test_warmup_and_exploration_move_one_request_only():
     policy = ElasticPolicy(16, 3, ElasticConfig(warmup_steps=2, explore_every=4))
-    policy.profile = saturating_profile(capacity=1)
-    chosen = []
+    policy.latency = OnlineLatency(MODEL, warm_start=saturating_profile(capacity=1))
+    requests = requests_at(8, 16, 16)
+    chosen, explored = [], []
     for _ in range(8):
-        policy.begin_step([object()] * 8)
+        policy.begin_step(requests)
         chosen.append(policy.step_chunk)
-        policy.statistics.observe(policy.step_chunk, 1, policy.step_chunk)
+        explored.append(dict(policy.explored))
+        policy.statistics.observe(policy.step_chunk, 0, 1, policy.step_chunk)
     assert chosen[:2] == [16, 16]  # warm-up at the whole block
-    # Every 4th step tries a size never tried so far (the least observed).
-    assert chosen[3] not in chosen[:3] and chosen[7] not in chosen[:7]
+    # Every 4th step one request tries the least observed size; the rest keep the choice.
+    assert [len(e) for e in explored] == [0, 0, 0, 1, 0, 0, 0, 1]
+    assert list(explored[3].values())[0] not in chosen[:4]
+    assert list(explored[3]) != list(explored[7])  # another request's turn
+
+
+def test_the_online_latency_model_learns_three_regimes_and_reports_its_error():
+    import random
+
+    truth = LatencyProfile(model=MODEL, breaks=(100, 400), slopes=(1e-5, 1e-4, 3e-4),
+                           intercepts=(0.010, 0.0011, -0.0789))
+    online = OnlineLatency(MODEL)
+    rng = random.Random(0)
+    assert not online.ready and online.held_out_error() is None
+    for _ in range(600):
+        rows = rng.uniform(10, 800)
+        online.observe(rows, truth.seconds(rows) * rng.uniform(0.97, 1.03))
+    online.observe(500, 100.0)  # an idle gap: dropped
+    assert online.ready and online.held_out_error() < 0.05
+    for rows in (20, 250, 700):
+        assert online.seconds(rows) == pytest.approx(truth.seconds(rows), rel=0.08)
+    warm = OnlineLatency(MODEL, warm_start=truth)
+    assert warm.ready and warm.seconds(250) == truth.seconds(250)
 
 
 def write_profile(path, model_identity) -> str:
@@ -71,30 +135,32 @@ def write_profile(path, model_identity) -> str:
 
 @pytest.mark.engine
 def test_elastic_policy_in_the_engine(dense_checkpoint, tmp_path):
+    """No options needed: the latency model is learned from the steps (a profile of
+    another model is still refused); sizes other than powers of two are tried; the chosen
+    chunks and the model's held-out error are reported."""
     config = json.loads((dense_checkpoint / "config.json").read_text())
     identity = {k: config.get(k) for k in ("architectures", "hidden_size", "num_hidden_layers",
                                            "num_attention_heads", "num_key_value_heads",
                                            "intermediate_size", "vocab_size")}
-    good = write_profile(tmp_path / "good.json", identity)
     other = write_profile(tmp_path / "other.json", {**identity, "hidden_size": 4096})
     with pytest.raises(Exception, match="measured for another model"):
         with diffusion_llm(dense_checkpoint, diffusion_block_size=8, additional_config={
                 "diffusion_policy": "elastic", "latency_profile": other}):
             pass
-    with pytest.raises(Exception, match="needs option 'latency_profile'"):
-        with diffusion_llm(dense_checkpoint, diffusion_block_size=8, additional_config={
-                "diffusion_policy": "elastic"}):
-            pass
     with diffusion_llm(dense_checkpoint, diffusion_block_size=8, max_num_seqs=16,
-                       additional_config={"diffusion_policy": "elastic", "latency_profile": good,
-                                          "warmup_steps": 2, "explore_every": 3}) as llm:
-        params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+                       additional_config={"diffusion_policy": "elastic",
+                                          "explore_every": 2}) as llm:
+        params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
         outputs = llm.generate([[5, 6, 7, 8 + i] for i in range(16)], params, use_tqdm=False)
         fixed = llm.generate([[5, 6, 7, 8]], SamplingParams(
             temperature=0, max_tokens=24, ignore_eos=True, extra_args={"chunk_size": 2}),
             use_tqdm=False)
+        stats = llm.collective_rpc("diffusion_stats")[0]
         runner = (llm.llm_engine.engine_core.engine_core.model_executor.driver_worker
                   .worker.model_runner)
-        tried = {c for c, n in runner.policy.statistics.steps.items() if n}
-    assert all(len(o.outputs[0].token_ids) == 24 for o in outputs + fixed)
-    assert len(tried) >= 2  # the whole block at warm-up, then chosen or explored sizes
+        tried = {c for c in range(1, 9) if runner.policy.statistics.observed_steps(c)}
+    assert all(len(o.outputs[0].token_ids) == 48 for o in outputs)
+    assert len(fixed[0].outputs[0].token_ids) == 24
+    assert len(tried) >= 3 and tried - {1, 2, 4, 8}  # beyond the powers of two
+    assert sum(stats["elastic_chunk_steps"].values()) > 0
+    assert stats["latency_observations"] > 8 and stats["latency_held_out_error"] is not None

@@ -5,12 +5,10 @@ hook layers exist)."""
 
 from __future__ import annotations
 
-import json
 import re
 
 import pytest
 from conftest import diffusion_llm
-from test_elastic import write_profile
 from test_logprobs_bad_words import letters
 
 from vllm import SamplingParams
@@ -29,22 +27,11 @@ def checkpoint(tmp_path_factory):
     return build_tiny_sdar(tmp_path_factory.mktemp("sdar-4-layers"), num_layers=4, seed=3)
 
 
-def policy_config(policy: str, checkpoint, tmp_path) -> dict:
-    if policy != "elastic":
-        return {"diffusion_policy": policy}
-    config = json.loads((checkpoint / "config.json").read_text())
-    identity = {k: config.get(k) for k in ("architectures", "hidden_size", "num_hidden_layers",
-                                           "num_attention_heads", "num_key_value_heads",
-                                           "intermediate_size", "vocab_size")}
-    return {"diffusion_policy": "elastic",
-            "latency_profile": write_profile(tmp_path / "profile.json", identity)}
-
-
 @pytest.mark.parametrize("policy", ["standard", "focus", "elastic", "es", "ada",
                                     "sparse_prefix"])
-def test_every_parameter_holds_under_every_policy(policy, checkpoint, tmp_path):
+def test_every_parameter_holds_under_every_policy(policy, checkpoint):
     with diffusion_llm(checkpoint, diffusion_block_size=BLOCK_SIZE, max_model_len=128,
-                       additional_config=policy_config(policy, checkpoint, tmp_path)) as llm:
+                       additional_config={"diffusion_policy": policy}) as llm:
         first, second = letters(llm, 2)
         tok = llm.get_tokenizer()
         stop = tok.eos_token_id

@@ -120,5 +120,10 @@ class DecodingPolicy(abc.ABC, Generic[ConfigT, StateT]):
         """masked_before: [B] bool before this step's commit; computed: [B] bool, the
         positions that went through every layer."""
 
+    def counters(self) -> dict[str, Any]:
+        """The policy's own counters since start-up, reported with the engine's
+        (``diffusion_stats``); none by default."""
+        return {}
+
     def on_block_complete(self, request: DiffusionRequest[ConfigT, StateT]) -> None:
         """The request's block has no masked position left."""

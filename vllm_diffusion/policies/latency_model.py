@@ -97,3 +97,89 @@ def fit_piecewise(samples: list[tuple[float, float]], model: dict[str, Any],
     return LatencyProfile(model=model, breaks=breaks,
                           slopes=tuple(f[0] for f in fits),
                           intercepts=tuple(f[1] for f in fits), samples=tuple(points))
+
+
+def binned(samples: list[tuple[float, float]], bins: int = 24) -> list[tuple[float, float]]:
+    """(rows, seconds) samples reduced to at most ``bins`` points: samples sorted by rows,
+    cut into groups of equal size, each the group's mean rows and median seconds (a
+    robust, small input for ``fit_piecewise``, whose search is cubic in its points)."""
+    ordered = sorted(samples)
+    size = max(1, -(-len(ordered) // bins))
+    points = []
+    for start in range(0, len(ordered), size):
+        group = ordered[start:start + size]
+        times = sorted(s for _, s in group)
+        points.append((sum(r for r, _ in group) / len(group), times[len(times) // 2]))
+    return points
+
+
+class OnlineLatency:
+    """Step latency learned from the engine's own steps (no profile needed).
+
+    Each observation is (block rows a step computed, the wall time from that step's start
+    to the next one's: the whole engine step, scheduling and output included). The model
+    is refitted every ``refit_every`` observations over a rolling window of the last
+    ``window`` ones: three affine regimes (``fit_piecewise``) once the window spans enough
+    row counts, an affine fit before that. Every ``holdout_every``-th observation is kept
+    out of the fit; ``held_out_error`` is the model's mean relative error on the latest of
+    those. An interval over ``outlier_factor`` times the window's median per-row time is
+    dropped (the engine was idle in between). A saved profile may warm-start it: it
+    answers until the first fit.
+    """
+
+    def __init__(self, model: dict[str, Any], warm_start: LatencyProfile | None = None,
+                 window: int = 512, refit_every: int = 32, holdout_every: int = 5,
+                 outlier_factor: float = 10.0) -> None:
+        self.model = model
+        self.profile = warm_start
+        self.window = window
+        self.refit_every = refit_every
+        self.holdout_every = holdout_every
+        self.outlier_factor = outlier_factor
+        self.samples: list[tuple[float, float]] = []
+        self.held_out: list[tuple[float, float]] = []
+        self.observed = 0
+        self.fitted = False
+
+    @property
+    def ready(self) -> bool:
+        return self.profile is not None
+
+    def seconds(self, rows: float) -> float:
+        assert self.profile is not None, "no latency model yet"
+        return self.profile.seconds(rows)
+
+    def observe(self, rows: float, seconds: float) -> None:
+        if rows <= 0 or seconds <= 0:
+            return
+        per_row = sorted(s / r for r, s in self.samples[-64:]) if self.samples else []
+        if per_row and seconds / rows > self.outlier_factor * per_row[len(per_row) // 2]:
+            return
+        self.observed += 1
+        if self.observed % self.holdout_every == 0:
+            self.held_out = (self.held_out + [(rows, seconds)])[-self.window // 4:]
+            return
+        self.samples = (self.samples + [(rows, seconds)])[-self.window:]
+        if len(self.samples) >= 8 and self.observed % self.refit_every == 0 or (
+                not self.fitted and len(self.samples) >= 8):
+            self._refit()
+
+    def _refit(self) -> None:
+        points = binned(self.samples)
+        try:
+            if len(points) >= 6:
+                self.profile = fit_piecewise(points, self.model, min_points=2)
+            else:
+                slope, intercept, _ = _affine(self.samples)
+                self.profile = LatencyProfile(self.model, (float("inf"), float("inf")),
+                                              (slope, 0.0, 0.0), (intercept, 0.0, 0.0))
+        except ValueError:
+            return
+        self.fitted = True
+
+    def held_out_error(self) -> float | None:
+        """Mean relative error of the current model on the held-out observations."""
+        if self.profile is None or not self.held_out:
+            return None
+        return sum(abs(self.profile.seconds(r) - s) / s
+                   for r, s in self.held_out) / len(self.held_out)

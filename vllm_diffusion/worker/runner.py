@@ -446,4 +446,4 @@ class DiffusionRunnerMixin:
             list(request.step_map) if request.wants_step_map else None)
 
     def diffusion_stats_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self.diffusion_stats)
+        return {**dataclasses.asdict(self.diffusion_stats), **self.policy.counters()}
