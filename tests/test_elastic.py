@@ -18,6 +18,7 @@ from vllm_diffusion.policies.elastic import (
     stage_of,
 )
 from vllm_diffusion.policies.latency_model import LatencyProfile, OnlineLatency, fit_piecewise
+from vllm_diffusion_lab.offline import stats_delta
 
 MODEL = {"architectures": ["SDARForCausalLM"]}
 
@@ -78,7 +79,7 @@ def test_chosen_chunk_follows_load():
 
 def test_estimates_follow_the_stage_and_interpolate_between_sizes():
     statistics = ChunkStatistics()
-    for _ in range(10):
+    for _ in range(20):
         statistics.observe(4, 0, 1, 4)  # early in a block: one commit per step
         statistics.observe(4, 3, 3, 4)  # late: three
         statistics.observe(8, 0, 2, 8)
@@ -156,6 +157,7 @@ def test_elastic_policy_in_the_engine(dense_checkpoint, tmp_path):
             temperature=0, max_tokens=24, ignore_eos=True, extra_args={"chunk_size": 2}),
             use_tqdm=False)
         stats = llm.collective_rpc("diffusion_stats")[0]
+        delta = stats_delta(llm.collective_rpc("diffusion_stats")[0], stats)
         runner = (llm.llm_engine.engine_core.engine_core.model_executor.driver_worker
                   .worker.model_runner)
         tried = {c for c in range(1, 9) if runner.policy.statistics.observed_steps(c)}
@@ -164,3 +166,6 @@ def test_elastic_policy_in_the_engine(dense_checkpoint, tmp_path):
     assert len(tried) >= 3 and tried - {1, 2, 4, 8}  # beyond the powers of two
     assert sum(stats["elastic_chunk_steps"].values()) > 0
     assert stats["latency_observations"] > 8 and stats["latency_held_out_error"] is not None
+    # the policy's counters difference like the engine's (a dict per chunk, the error kept)
+    assert set(delta["elastic_chunk_steps"].values()) == {0}
+    assert delta["latency_held_out_error"] == stats["latency_held_out_error"]

@@ -1,4 +1,4 @@
-"""``vllm serve --diffusion-policy es|ada`` on loopback: completions, streaming, the step
+"""``vllm serve --diffusion-policy es|ada|elastic`` on loopback: completions, streaming, the step
 map, per-request options and the diffusion metrics."""
 
 from __future__ import annotations
@@ -26,7 +26,8 @@ def layer_positions(url: str) -> dict[int, float]:
 
 @pytest.mark.parametrize("policy,options,bad_option", [
     ("es", {"skip_ratio": 0.5, "alpha": 0.5}, {"skip_ratio": 2.0}),
-    ("ada", {"capacity": 0.3}, {"capacity": 0})])
+    ("ada", {"capacity": 0.3}, {"capacity": 0}),
+    ("elastic", {}, {"chunk_size": 3})])
 def test_policy_serves_completions_stream_and_step_map(policy, options, bad_option,
                                                        tmp_path_factory):
     checkpoint = build_tiny_sdar(tmp_path_factory.mktemp("sdar-4-layers"), num_layers=4, seed=3)
@@ -61,6 +62,10 @@ def test_policy_serves_completions_stream_and_step_map(policy, options, bad_opti
         assert metric(url, "vllm:diffusion_num_committed_tokens_total") >= 32
         per_layer = layer_positions(url)
         assert sorted(per_layer) == [0, 1, 2, 3] and per_layer[3] == later
+        if policy == "elastic":  # no profile: learned; the chosen chunks are exported
+            text = requests.get(f"{url}/metrics", timeout=10).text
+            assert re.search(r'^vllm:diffusion_chosen_chunk_steps_total\{[^}]*chunk="\d+"',
+                             text, re.MULTILINE)
         if policy == "es":  # positions skipped after layer 2 do not reach layer 3
             assert later < positions and per_layer[0] == per_layer[2] > per_layer[3]
         else:  # ada computes fewer positions but drops none inside the forward

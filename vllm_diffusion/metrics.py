@@ -4,8 +4,8 @@ vLLM carries diffusion counters in ``SpecDecodingStats`` (as its native diffusio
 do): denoising steps in ``num_drafts``, canvas positions evaluated in
 ``num_draft_tokens``, committed tokens in ``num_accepted_tokens``. What is specific to
 this plugin -- the block positions that reach the last layer (fewer when a policy drops
-rows), the structured-output matcher calls (bitmask fills, tokens accepted) and the block
-positions through each layer -- travels in
+rows), the structured-output matcher calls (bitmask fills, tokens accepted), the chunk
+size an adaptive policy chose and the block positions through each layer -- travels in
 ``num_draft_tokens_per_pos``, which vLLM's own loggers do not read. ``encode`` (the
 scheduler) and ``plugin_counters`` (the front end's loggers) are the only two places that
 know that layout.
@@ -27,6 +27,7 @@ class StepCounters:
     layer_positions: tuple[int, ...] = ()  # block positions through each layer
     matcher_fills: int = 0  # structured output: grammar bitmask fills
     matcher_accepts: int = 0  # structured output: tokens advanced through matchers
+    chosen_chunk: int = 0  # the chunk size the policy chose for the step (0: none)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,6 +37,7 @@ class PluginCounters:
     positions_after_eviction: int
     matcher_fills: int
     matcher_accepts: int
+    chosen_chunk: int
     layer_positions: tuple[int, ...]
 
 
@@ -45,7 +47,8 @@ def encode(counters: StepCounters) -> SpecDecodingStats:
         num_draft_tokens=counters.block_positions,
         num_accepted_tokens=counters.committed_tokens,
         num_draft_tokens_per_pos=[counters.positions_after_eviction, counters.matcher_fills,
-                                  counters.matcher_accepts, *counters.layer_positions])
+                                  counters.matcher_accepts, counters.chosen_chunk,
+                                  *counters.layer_positions])
 
 
 def plugin_counters(stats: SpecDecodingStats) -> PluginCounters | None:
@@ -53,4 +56,4 @@ def plugin_counters(stats: SpecDecodingStats) -> PluginCounters | None:
     counts = stats.num_draft_tokens_per_pos
     if not counts:
         return None
-    return PluginCounters(counts[0], counts[1], counts[2], tuple(counts[3:]))
+    return PluginCounters(counts[0], counts[1], counts[2], counts[3], tuple(counts[4:]))

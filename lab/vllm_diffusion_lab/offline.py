@@ -60,12 +60,17 @@ def shut_down(llm: Any) -> None:
     cleanup_dist_env_and_memory()
 
 
-def counter_delta(before: int | list[int], after: int | list[int]) -> int | list[int]:
-    """``after - before`` of one counter (per-layer lists element-wise; a list grows from
-    empty at the first step)."""
+def counter_delta(before: Any, after: Any) -> Any:
+    """``after - before`` of one counter (per-layer lists element-wise, a list growing from
+    empty at the first step; dicts of counters key by key); a reading that is not a count
+    (a float such as a model's error, or None) is the latest one."""
     if isinstance(after, list):
         return [a - (before[i] if i < len(before) else 0) for i, a in enumerate(after)]
-    return after - before
+    if isinstance(after, dict):
+        return {k: counter_delta((before or {}).get(k, 0), v) for k, v in after.items()}
+    if isinstance(after, int) and isinstance(before, int):
+        return after - before
+    return after
 
 
 def stats_delta(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:

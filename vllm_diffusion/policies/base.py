@@ -120,6 +120,11 @@ class DecodingPolicy(abc.ABC, Generic[ConfigT, StateT]):
         """masked_before: [B] bool before this step's commit; computed: [B] bool, the
         positions that went through every layer."""
 
+    def chosen_chunk(self) -> int | None:
+        """The chunk size this step's requests compute, where the policy chooses one per
+        step (exported as a metric); None otherwise."""
+        return None
+
     def counters(self) -> dict[str, Any]:
         """The policy's own counters since start-up, reported with the engine's
         (``diffusion_stats``); none by default."""

@@ -5,7 +5,9 @@ Each step, for the b requests scheduled, the policy picks
 
     c* = argmax over c in C of  sum_i N_commit(c, stage_i) / T(sum_i rows(c, stage_i))
 
-over every chunk size C = 1..B the block allows, where
+over the chunk sizes C (``chunk_candidates``: 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, ... up
+to B, not only powers of two), keeping the current size unless another promises 5% more
+(``SWITCH_MARGIN``), where
 
 - T(x) is the step latency for x block rows, learned online (``OnlineLatency``): each
   engine step's wall time (from its start to the next step's start) against the block
@@ -73,6 +75,21 @@ class ElasticConfig(ChunkConfig):
 ElasticRequest = DiffusionRequest[ElasticConfig, ChunkWindow]
 
 MIN_OBSERVATIONS = 8
+SWITCH_MARGIN = 1.05  # another size must promise 5% more commits per second to be taken
+
+
+def chunk_candidates(block_size: int) -> list[int]:
+    """The chunk sizes the policy chooses among: 1, 2, 3, 4, then every size a factor of
+    about 1.5 apart (6, 8, 12, 16, 24, 32, 48, ...) up to the block, and the block: finer
+    than powers of two, coarse enough that each size is observed often (with every size
+    1..B the noisiest estimate wins the argmax)."""
+    sizes, size = {1, 2, 3, 4, block_size}, 4
+    while size < block_size:
+        for step in (size * 3 // 2, size * 2):
+            if step < block_size:
+                sizes.add(step)
+        size *= 2
+    return sorted(s for s in sizes if s <= block_size)
 STAGES = 4  # decoding stages: quarters of the block still masked before the step
 
 
@@ -99,13 +116,15 @@ class ChunkStatistics:
     def _mean(self, key) -> tuple[float, float]:
         return self.commits[key] / self.steps[key], self.rows[key] / self.steps[key]
 
-    def estimate(self, chunk: int, stage: int, block_size: int) -> tuple[float, float]:
-        """(commits, rows) per request-step at ``chunk`` in ``stage``."""
+    def estimate(self, chunk: int, stage: int, block_size: int,
+                 observed: list[int] | None = None) -> tuple[float, float]:
+        """(commits, rows) per request-step at ``chunk`` in ``stage``; ``observed``: the
+        sizes with enough observations (``observed_sizes``), when the caller has them."""
         for key in ((chunk, stage), chunk):
-            if self.steps[key] >= MIN_OBSERVATIONS:
+            if self.steps[key] >= MIN_OBSERVATIONS * (2 if isinstance(key, tuple) else 1):
                 return self._mean(key)
-        observed = sorted(c for c in range(1, block_size + 1)
-                          if self.steps[c] >= MIN_OBSERVATIONS)
+        if observed is None:
+            observed = self.observed_sizes(block_size)
         below = [c for c in observed if c < chunk]
         above = [c for c in observed if c > chunk]
         if below and above:
@@ -116,6 +135,9 @@ class ChunkStatistics:
         whole = self._mean(block_size) if self.steps[block_size] else (1.0, block_size)
         return (max(whole[0] * (chunk / block_size) ** 0.5, 1.0),
                 max(chunk + whole[1] - block_size, chunk))
+
+    def observed_sizes(self, block_size: int) -> list[int]:
+        return [c for c in range(1, block_size + 1) if self.steps[c] >= MIN_OBSERVATIONS]
 
     def observed_steps(self, chunk: int) -> int:
         return self.steps[chunk]
@@ -128,7 +150,7 @@ class ElasticPolicy(StrategyPolicy[ElasticConfig, ChunkWindow]):
     def __init__(self, block_size: int, mask_token_id: int,
                  engine_config: ElasticConfig) -> None:
         super().__init__(block_size, mask_token_id, engine_config)
-        self.candidates = list(range(1, block_size + 1))
+        self.candidates = chunk_candidates(block_size)
         self.latency: OnlineLatency | None = None
         self.statistics = ChunkStatistics()
         self.steps_begun = 0
@@ -169,16 +191,25 @@ class ElasticPolicy(StrategyPolicy[ElasticConfig, ChunkWindow]):
             self.chosen[self.step_chunk] += 1
 
     def choose_chunk(self, requests: list[ElasticRequest]) -> int:
-        """c* for a step of ``requests``, from the estimates so far."""
-        stages = [stage_of(int(r.canvas.masked(self.mask_token_id).sum()), self.block_size)
-                  if r.canvas is not None else 0 for r in requests]
+        """c* for a step of ``requests``, from the estimates so far (computed once per
+        size and stage, weighted by the requests in each stage)."""
+        per_stage = collections.Counter(
+            stage_of(int(r.canvas.masked(self.mask_token_id).sum()), self.block_size)
+            if r.canvas is not None else 0 for r in requests)
+        observed = self.statistics.observed_sizes(self.block_size)
 
         def rate(chunk: int) -> float:
-            estimates = [self.statistics.estimate(chunk, s, self.block_size) for s in stages]
-            rows = sum(r for _, r in estimates)
-            return sum(c for c, _ in estimates) / self.latency.seconds(rows)
+            commits = rows = 0.0
+            for stage, count in per_stage.items():
+                c, r = self.statistics.estimate(chunk, stage, self.block_size, observed)
+                commits, rows = commits + count * c, rows + count * r
+            return commits / self.latency.seconds(rows)
 
-        return max(self.candidates, key=rate)
+        rates = {c: rate(c) for c in self.candidates}
+        best = max(rates, key=rates.get)
+        if self.step_chunk in rates and rates[best] < SWITCH_MARGIN * rates[self.step_chunk]:
+            return self.step_chunk  # keep the current size unless clearly beaten
+        return best
 
     def start_block(self, request: ElasticRequest, resumed: bool) -> None:
         request.policy_state.start_block()
@@ -199,6 +230,9 @@ class ElasticPolicy(StrategyPolicy[ElasticConfig, ChunkWindow]):
         self.statistics.observe(state.chunk or self.block_size,
                                 stage_of(int(masked_before.sum()), self.block_size),
                                 num_decoded, rows)
+
+    def chosen_chunk(self) -> int | None:
+        return self.step_chunk
 
     def counters(self) -> dict[str, Any]:
         return {"elastic_chunk_steps": dict(sorted(self.chosen.items())),

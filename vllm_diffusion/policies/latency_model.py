@@ -118,17 +118,17 @@ class OnlineLatency:
 
     Each observation is (block rows a step computed, the wall time from that step's start
     to the next one's: the whole engine step, scheduling and output included). The model
-    is refitted every ``refit_every`` observations over a rolling window of the last
-    ``window`` ones: three affine regimes (``fit_piecewise``) once the window spans enough
-    row counts, an affine fit before that. Every ``holdout_every``-th observation is kept
+    is refitted every ``refit_every`` observations (8) over a rolling window of the last
+    ``window`` ones: three affine regimes (``fit_piecewise``) or one affine fit, whichever
+    predicts the held-out steps better. Every ``holdout_every``-th observation is kept
     out of the fit; ``held_out_error`` is the model's mean relative error on the latest of
-    those. An interval over ``outlier_factor`` times the window's median per-row time is
+    those. Outside the row counts it has seen, it extends linearly (``seconds``). An interval over ``outlier_factor`` times the window's median per-row time is
     dropped (the engine was idle in between). A saved profile may warm-start it: it
     answers until the first fit.
     """
 
     def __init__(self, model: dict[str, Any], warm_start: LatencyProfile | None = None,
-                 window: int = 512, refit_every: int = 32, holdout_every: int = 5,
+                 window: int = 512, refit_every: int = 8, holdout_every: int = 5,
                  outlier_factor: float = 10.0) -> None:
         self.model = model
         self.profile = warm_start
@@ -140,13 +140,26 @@ class OnlineLatency:
         self.held_out: list[tuple[float, float]] = []
         self.observed = 0
         self.fitted = False
+        self.span: tuple[float, float] | None = None  # the rows the fit has seen
+        self.overall_slope = 0.0  # one affine fit's slope over them (>= 0)
 
     @property
     def ready(self) -> bool:
         return self.profile is not None
 
     def seconds(self, rows: float) -> float:
+        """T(rows). Beyond the row counts the fit has seen, a regime fitted on a narrow
+        range can bend anywhere, so the model extends from its edge with the slope of one
+        affine fit over all its points (a fit on batch-1 steps must not forbid batch 4)."""
         assert self.profile is not None, "no latency model yet"
+        if self.span is None:
+            return self.profile.seconds(rows)
+        low, high = self.span
+        slope = self.overall_slope
+        if rows > high:
+            return self.profile.seconds(high) + slope * (rows - high)
+        if rows < low:
+            return max(self.profile.seconds(low) - slope * (low - rows), 1e-6)
         return self.profile.seconds(rows)
 
     def observe(self, rows: float, seconds: float) -> None:
@@ -165,21 +178,32 @@ class OnlineLatency:
             self._refit()
 
     def _refit(self) -> None:
+        """Refit over the window: the three-regime fit where it predicts the held-out steps
+        better than one affine fit (clustered row counts make degenerate regimes), else
+        the affine one."""
         points = binned(self.samples)
-        try:
-            if len(points) >= 6:
-                self.profile = fit_piecewise(points, self.model, min_points=2)
-            else:
-                slope, intercept, _ = _affine(self.samples)
-                self.profile = LatencyProfile(self.model, (float("inf"), float("inf")),
-                                              (slope, 0.0, 0.0), (intercept, 0.0, 0.0))
-        except ValueError:
-            return
+        rows = [r for r, _ in self.samples]
+        self.span = (min(rows), max(rows))
+        slope, intercept, _ = _affine(self.samples)
+        self.overall_slope = max(slope, 0.0)
+        affine = LatencyProfile(self.model, (float("inf"), float("inf")), (slope, 0.0, 0.0),
+                                (intercept, 0.0, 0.0))
+        candidates = [affine]
+        if len(points) >= 6:
+            try:
+                candidates.append(fit_piecewise(points, self.model, min_points=2))
+            except ValueError:
+                pass
+        self.profile = min(candidates, key=lambda p: self._error(p, self.held_out)
+                           if self.held_out else 0.0)
         self.fitted = True
+
+    @staticmethod
+    def _error(profile: LatencyProfile, samples: list[tuple[float, float]]) -> float:
+        return sum(abs(profile.seconds(r) - s) / s for r, s in samples) / len(samples)
 
     def held_out_error(self) -> float | None:
         """Mean relative error of the current model on the held-out observations."""
         if self.profile is None or not self.held_out:
             return None
-        return sum(abs(self.profile.seconds(r) - s) / s
-                   for r, s in self.held_out) / len(self.held_out)
+        return self._error(self.profile, self.held_out)

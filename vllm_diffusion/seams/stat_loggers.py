@@ -42,6 +42,11 @@ class DiffusionSpecDecodingProm(SpecDecodingProm):
             "vllm:diffusion_num_grammar_accepts",
             "Structured output: tokens advanced through the runner's grammar matchers "
             "(walks and emitted tokens).")
+        self.chunk_steps = self._counter_cls(
+            name="vllm:diffusion_chosen_chunk_steps",
+            documentation="Steps by the chunk size an adaptive policy (elastic) chose for "
+                          "them (label 'chunk').",
+            labelnames=[*_LABELS, "chunk"])
         self.per_layer = self._counter_cls(
             name="vllm:diffusion_num_layer_positions",
             documentation="Block positions whose queries each layer computed (label "
@@ -61,6 +66,9 @@ class DiffusionSpecDecodingProm(SpecDecodingProm):
         self.later_layers[engine_idx].inc(counters.positions_after_eviction)
         self.matcher_fills[engine_idx].inc(counters.matcher_fills)
         self.matcher_accepts[engine_idx].inc(counters.matcher_accepts)
+        if counters.chosen_chunk:
+            self.chunk_steps.labels(*self.engine_labels[engine_idx],
+                                    str(counters.chosen_chunk)).inc()
         for layer, count in enumerate(counters.layer_positions):
             self.per_layer.labels(*self.engine_labels[engine_idx], str(layer)).inc(count)
 

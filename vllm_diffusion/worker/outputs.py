@@ -27,6 +27,8 @@ class DiffusionRunnerOutput(ModelRunnerOutput):
     denoised_blocks: int = 0
     # structured output this step: grammar bitmask fills, tokens advanced through matchers
     matcher_calls: tuple[int, int] = (0, 0)
+    # the chunk size the policy chose for this step (0: none chosen)
+    chosen_chunk: int = 0
     # req_id -> the denoising step that unmasked each of its output tokens so far (only
     # for requests that asked for a step map and emitted tokens this step).
     step_maps: dict[str, list[int]] = dataclasses.field(default_factory=dict)

@@ -184,6 +184,7 @@ class DiffusionRunnerMixin:
             committed_prefix={r.req_id: r.committed for r in rows if r.req_id not in failed},
             denoised_blocks=sum(r.request is not None and r.req_id not in failed for r in rows),
             matcher_calls=(stats.grammar_fills - before[2], stats.grammar_accepts - before[3]),
+            chosen_chunk=(self.policy.chosen_chunk() or 0) if rows else 0,
             step_maps={r: e.step_map for r, e in emitted.items() if e.step_map is not None},
             failed_requests=failed,
         )

@@ -136,7 +136,8 @@ class BlockDiffusionScheduler(Scheduler):
             committed_tokens=sum(len(t) for t in runner_output.sampled_token_ids),
             layer_positions=tuple(runner_output.layer_block_positions),
             matcher_fills=runner_output.matcher_calls[0],
-            matcher_accepts=runner_output.matcher_calls[1]))
+            matcher_accepts=runner_output.matcher_calls[1],
+            chosen_chunk=runner_output.chosen_chunk))
 
     def make_stats(self, spec_decoding_stats: SpecDecodingStats | None = None, *args: Any,
                    **kwargs: Any):
