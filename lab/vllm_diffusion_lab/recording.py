@@ -156,6 +156,12 @@ class RecordingPolicy(DecodingPolicy):
                    computed: torch.Tensor, num_decoded: int) -> None:
         self.inner.after_step(request, masked_before, computed, num_decoded)
 
+    def chosen_chunk(self) -> int | None:
+        return self.inner.chosen_chunk()
+
+    def counters(self) -> dict[str, Any]:
+        return self.inner.counters()
+
     def on_block_complete(self, request: DiffusionRequest) -> None:
         self.inner.on_block_complete(request)
 
