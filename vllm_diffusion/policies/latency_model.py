@@ -128,7 +128,7 @@ class OnlineLatency:
     """
 
     def __init__(self, model: dict[str, Any], warm_start: LatencyProfile | None = None,
-                 window: int = 128, refit_every: int = 8, holdout_every: int = 5,
+                 window: int = 512, refit_every: int = 8, holdout_every: int = 5,
                  outlier_factor: float = 10.0) -> None:
         self.model = model
         self.profile = warm_start
