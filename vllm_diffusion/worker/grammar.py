@@ -121,21 +121,23 @@ class Walk:
 
     tokens: list[int]  # candidate of each walked position, F first
     confidence: list[float]
-    forced: list[bool]
 
 
 def walk(compiler: GrammarCompiler, grammar: Any, req_id: str, proposals: list[int],
-         confidence: list[float], computed: list[bool], first: int) -> Walk:
+         confidence: list[float], computed: list[bool], first: int,
+         first_bitmask: torch.Tensor | None = None) -> Walk:
     """The walk from block position ``first`` (F); see the module docstring. proposals,
-    confidence, computed: the block's positions this step. Leaves the matcher as it was."""
-    result = Walk([], [], [])
+    confidence, computed: the block's positions this step; first_bitmask: the grammar's
+    bitmask at F when already filled this step. Leaves the matcher as it was."""
+    result = Walk([], [])
     vocab = compiler.vocab_size
     position = first
     while position < len(proposals) and computed[position] and not grammar.is_terminated():
         # The text the grammar forces from here, then one position by its mask.
         forced = compiler.jump_forward(grammar)
         if not forced:
-            bitmask = compiler.allowed(grammar)
+            bitmask = (first_bitmask if position == first and first_bitmask is not None
+                       else compiler.allowed(grammar))
             only = forced_token(bitmask, vocab)
             if only is not None:
                 forced = [only]
@@ -150,7 +152,6 @@ def walk(compiler: GrammarCompiler, grammar: Any, req_id: str, proposals: list[i
             compiler.stats.grammar_accepts += 1
             result.tokens.append(token)
             result.confidence.append(1.0 if forced else confidence[position])
-            result.forced.append(bool(forced))
             position += 1
             taken += 1
         if taken < len(candidates):
@@ -174,8 +175,9 @@ class GrammarStep:
                          for g in grammars]
         self.req_ids = req_ids
         self.first = [int(torch.nonzero(m).flatten()[0]) if g is not None and bool(m.any())
-                      else -1 for g, m in zip(grammars, masked)]
+                      else -1 for g, m in zip(self.grammars, masked)]
         self.walks: list[Walk | None] = [None] * len(grammars)
+        self.first_bitmasks: list[torch.Tensor | None] = [None] * len(grammars)  # [W] each
 
     @property
     def active(self) -> bool:
@@ -197,6 +199,7 @@ class GrammarStep:
                 masks.append(None)
                 continue
             bitmask = self.compiler.allowed(grammar)
+            self.first_bitmasks[block] = bitmask  # the walk starts from the same state
             masks.append((int(hit[0]), unpack(bitmask, self.compiler.vocab_size)))
         return masks
 
@@ -212,7 +215,7 @@ class GrammarStep:
                 continue
             found = walk(self.compiler, grammar, self.req_ids[block],
                          proposals[block].tolist(), confidence[block].tolist(),
-                         computed[block].tolist(), first)
+                         computed[block].tolist(), first, self.first_bitmasks[block])
             self.walks[block] = found
             span = slice(first, first + len(found.tokens))
             proposals[block, span] = torch.tensor(found.tokens, dtype=proposals.dtype)
