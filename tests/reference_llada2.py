@@ -93,14 +93,18 @@ class ReferenceLLaDA2:
         return (F.silu(x @ w[f"{prefix}.gate_proj.weight"].T)
                 * (x @ w[f"{prefix}.up_proj.weight"].T)) @ w[f"{prefix}.down_proj.weight"].T
 
+    def _route(self, logits, expert_bias):
+        """(weights [T, k], experts [T, k]) of the sequence's tokens."""
+        cfg = self.config
+        return reference_route(logits, expert_bias, cfg["num_experts_per_tok"], cfg["n_group"],
+                               cfg["topk_group"], cfg["routed_scaling_factor"])
+
     def _mlp(self, x, prefix):
-        w, cfg = self.weights, self.config
+        w = self.weights
         if f"{prefix}.gate.weight" not in w:
             return self._swiglu(x, prefix)
         logits = x.float() @ w[f"{prefix}.gate.weight"].float().T
-        weights, experts = reference_route(
-            logits, w[f"{prefix}.gate.expert_bias"], cfg["num_experts_per_tok"],
-            cfg["n_group"], cfg["topk_group"], cfg["routed_scaling_factor"])
+        weights, experts = self._route(logits, w[f"{prefix}.gate.expert_bias"])
         out = torch.zeros_like(x)
         for token in range(x.shape[0]):
             for weight, expert in zip(weights[token], experts[token].tolist()):

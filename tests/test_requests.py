@@ -176,3 +176,9 @@ def test_entropy_bounded_unmasking(llm):
     with pytest.raises(REJECTED, match=r"option 'entropy_bound' must be float in \[0.0"):
         generate(llm, [5, 6, 7], max_tokens=4, extra_args={"strategy": "entropy_bounded",
                                                            "entropy_bound": -1.0})
+
+
+def test_llada22_step_cap_is_refused_for_other_models(llm):
+    with pytest.raises(REJECTED, match="'max_steps_per_block' caps LLaDA2.2"):
+        generate(llm, [5, 6, 7], temperature=0, max_tokens=4,
+                 extra_args={"max_steps_per_block": 10})

@@ -98,3 +98,23 @@ def test_tensor_parallel_llada2_equals_reference(tmp_path, two_cpu_ranks):
     for prompt, output in zip(prompts, outputs):
         assert list(output.outputs[0].token_ids) == reference_generate(
             reference, prompt, block_size=8, mask_id=mask_id, max_tokens=19, **options)
+
+
+def test_tensor_parallel_llada22_equals_reference(tmp_path, two_cpu_ranks):
+    """LLaDA2.2: block routing on replicated router logits picks the same pools on both
+    ranks; the joint editing loop's output equals the single-process reference wherever
+    its anti-loop does not fire."""
+    from test_llada22 import count_exact, joint_prompts, model_info
+
+    from vllm_diffusion_lab.fixtures.tiny_llada2 import build_tiny_llada2
+
+    checkpoint = build_tiny_llada2(tmp_path / "llada22", expert_capacity=4,
+                                   routing_block_size=8, edit_logit_scale=1.5)
+    prompts = joint_prompts(model_info(checkpoint)[0], seed=8)
+    options = {"editing_threshold": 0.5, "max_post_steps": 4}
+    with diffusion_llm(checkpoint, diffusion_block_size=8, max_model_len=256, max_num_seqs=4,
+                       tensor_parallel_size=2, distributed_executor_backend="mp") as llm:
+        outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts],
+                               SamplingParams(temperature=0, max_tokens=19, ignore_eos=True,
+                                              extra_args=options), use_tqdm=False)
+    assert count_exact(checkpoint, prompts, outputs, options) >= 2

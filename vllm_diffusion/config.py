@@ -21,7 +21,7 @@ from vllm_diffusion.policies import POLICIES
 DEFAULT_BLOCK_SIZE = 4  # SDAR's default
 DEFAULT_LOGITS_MEMORY_MIB = 256
 ENGINE_KEYS = ("diffusion_policy", "diffusion_block_size", "mask_token_id",
-               "diffusion_logits_memory_mib")
+               "diffusion_logits_memory_mib", "edit_token_ids")
 # Per-request keys that are not policy options; ``diffusion_policy`` is checked separately.
 REQUEST_KEYS = ("diffusion_policy", "return_step_map")
 _REQUEST_RULES = {"return_step_map": Rule(bool)}
@@ -37,6 +37,9 @@ class DiffusionEngineConfig:
     mask_token_id: int
     policy_config: Any  # the policy's config dataclass, engine defaults
     logits_memory_mib: int = DEFAULT_LOGITS_MEMORY_MIB
+    # (DELETE, SPLIT) of a LLaDA2.2 checkpoint, resolved from its config at start-up;
+    # None for the other models
+    edit_token_ids: tuple[int, int] | None = None
 
     @property
     def policy(self) -> type:
@@ -52,6 +55,7 @@ class DiffusionEngineConfig:
             "diffusion_block_size": self.block_size,
             "mask_token_id": self.mask_token_id,
             "diffusion_logits_memory_mib": self.logits_memory_mib,
+            "edit_token_ids": self.edit_token_ids,
             **dataclasses.asdict(self.policy_config),
         }
 
@@ -108,9 +112,12 @@ def wants_step_map(extra_args: Mapping[str, Any] | None) -> bool:
 
 
 def parse_engine_options(values: Mapping[str, Any], *, config_block_size: int | None,
-                         config_mask_token_id: int | None,
-                         vocab_size: int) -> DiffusionEngineConfig:
-    """Validate ``additional_config`` and resolve block size and mask token."""
+                         config_mask_token_id: int | None, vocab_size: int,
+                         model_defaults: Mapping[str, Any] | None = None
+                         ) -> DiffusionEngineConfig:
+    """Validate ``additional_config`` and resolve block size and mask token.
+    ``model_defaults``: the model family's own defaults of policy options (its published
+    generation settings), below what ``additional_config`` sets."""
     source = "additional_config"
     values = dict(values)
     values.pop(_RESOLVED_KEY, None)
@@ -138,7 +145,13 @@ def parse_engine_options(values: Mapping[str, Any], *, config_block_size: int | 
     logits_memory_mib = Rule(int, low=1, high=1 << 20).check(
         "diffusion_logits_memory_mib",
         values.pop("diffusion_logits_memory_mib", DEFAULT_LOGITS_MEMORY_MIB), source)
-    valid = set(ENGINE_KEYS) | set(option_names(policy.config_cls))
+    edit_token_ids = values.pop("edit_token_ids", None)
+    if edit_token_ids is not None:
+        edit_token_ids = tuple(Rule(int, low=0, high=vocab_size - 1).check(
+            "edit_token_ids", token, source) for token in edit_token_ids)
+    options = set(option_names(policy.config_cls))
+    values = {**{k: v for k, v in (model_defaults or {}).items() if k in options}, **values}
+    valid = set(ENGINE_KEYS) | options
     unknown = sorted(set(values) - valid, key=repr)
     if unknown:
         raise OptionError(
@@ -148,7 +161,7 @@ def parse_engine_options(values: Mapping[str, Any], *, config_block_size: int | 
     policy_config = parse_options(policy.config_cls, values, source=source)
     policy_config.validate_for_block(block_size, source)
     return DiffusionEngineConfig(policy_name, block_size, mask_token_id, policy_config,
-                                 logits_memory_mib)
+                                 logits_memory_mib, edit_token_ids)
 
 
 def engine_config_from_vllm(vllm_config: Any) -> DiffusionEngineConfig:

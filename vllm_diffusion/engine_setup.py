@@ -15,6 +15,8 @@ from vllm.logger import init_logger
 from vllm.model_executor.models.config import VerifyAndUpdateConfig
 
 from vllm_diffusion.config import parse_engine_options, store_resolved
+from vllm_diffusion.policies import POLICIES
+from vllm_diffusion.policies.joint_editing import edit_tokens_of
 from vllm_diffusion.worker.grammar import ROLLBACK_BACKENDS
 
 logger = init_logger(__name__)
@@ -45,6 +47,33 @@ def _tokenizer_mask_token_id(model_config: Any) -> int | None:
     return next((vocab[text] for text in MASK_TOKEN_TEXTS if text in vocab), None)
 
 
+# LLaDA2.2's published generation settings where they differ from the engine's defaults
+# (its quota schedule, post steps and step cap are the engine's own defaults).
+LLADA22_DEFAULTS = {"threshold": 0.5, "editing_threshold": 0.0,
+                    "strategy": "low_confidence_dynamic"}
+
+
+def refuse_policy_for_llada22(engine_options: dict[str, Any]) -> None:
+    """Before the options are parsed (so that the reason is LLaDA2.2's, not a consequence
+    of its editing defaults): raise ``ValueError`` where the policy cannot serve it."""
+    name = engine_options.get("diffusion_policy", "standard")
+    policy = POLICIES.get(name)
+    reason = policy.llada22_refusal(engine_options) if policy is not None else None
+    if reason is not None:
+        raise ValueError(f"the {name} policy cannot serve LLaDA2.2: {reason}")
+
+
+def check_llada22(config: Any, policy: Any, routing_block_size: int) -> None:
+    """A LLaDA2.2 checkpoint decodes whole blocks by its joint loop, on diffusion blocks
+    made of whole routing blocks; raise ``ValueError`` naming what does not fit."""
+    if config.block_size % routing_block_size:
+        raise ValueError(
+            f"LLaDA2.2 routes experts per block of {routing_block_size} tokens (config "
+            f"block_size); the diffusion block size ({config.block_size}) must be a "
+            f"multiple of it")
+    assert policy.rewrites_blocks(), config.policy_name  # llada22_refusal said it could
+
+
 class DiffusionModelConfigHook(VerifyAndUpdateConfig):
     @staticmethod
     def verify_and_update_config(vllm_config: Any) -> None:
@@ -55,12 +84,15 @@ class DiffusionModelConfigHook(VerifyAndUpdateConfig):
         mask_token_id = getattr(hf_config, "mask_token_id", None)
         if mask_token_id is None:
             mask_token_id = _tokenizer_mask_token_id(model_config)
+        edit_tokens = edit_tokens_of(hf_config)
+        extra = dict(vllm_config.additional_config or {})
+        if edit_tokens is not None:
+            refuse_policy_for_llada22(extra)
+            extra["edit_token_ids"] = (edit_tokens.delete, edit_tokens.split)
         config = parse_engine_options(
-            vllm_config.additional_config or {},
-            config_block_size=getattr(hf_config, "block_size", None),
-            config_mask_token_id=mask_token_id,
-            vocab_size=model_config.get_vocab_size(),
-        )
+            extra, config_block_size=getattr(hf_config, "block_size", None),
+            config_mask_token_id=mask_token_id, vocab_size=model_config.get_vocab_size(),
+            model_defaults=LLADA22_DEFAULTS if edit_tokens is not None else None)
         store_resolved(vllm_config, config)
 
         block = config.block_size
@@ -70,8 +102,10 @@ class DiffusionModelConfigHook(VerifyAndUpdateConfig):
                 f"diffusion block size ({block}); use --max-model-len "
                 f"{model_config.max_model_len // block * block}"
             )
-        config.make_policy().bind_model(hf_config,
-                                        bool(vllm_config.cache_config.enable_prefix_caching))
+        policy = config.make_policy()
+        policy.bind_model(hf_config, bool(vllm_config.cache_config.enable_prefix_caching))
+        if edit_tokens is not None:
+            check_llada22(config, policy, hf_config.block_size)
         if vllm_config.speculative_config is not None:
             raise ValueError("speculative decoding cannot be combined with block diffusion")
         structured = vllm_config.structured_outputs_config

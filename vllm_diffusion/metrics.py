@@ -5,7 +5,8 @@ do): denoising steps in ``num_drafts``, canvas positions evaluated in
 ``num_draft_tokens``, committed tokens in ``num_accepted_tokens``. What is specific to
 this plugin -- the block positions that reach the last layer (fewer when a policy drops
 rows), the structured-output matcher calls (bitmask fills, tokens accepted), the chunk
-size an adaptive policy chose and the block positions through each layer -- travels in
+size an adaptive policy chose, the token edits (substitutions, deletions, splits) and the
+block positions through each layer -- travels in
 ``num_draft_tokens_per_pos``, which vLLM's own loggers do not read. ``encode`` (the
 scheduler) and ``plugin_counters`` (the front end's loggers) are the only two places that
 know that layout.
@@ -28,6 +29,7 @@ class StepCounters:
     matcher_fills: int = 0  # structured output: grammar bitmask fills
     matcher_accepts: int = 0  # structured output: tokens advanced through matchers
     chosen_chunk: int = 0  # the chunk size the policy chose for the step (0: none)
+    token_edits: tuple[int, int, int] = (0, 0, 0)  # substitutions, deletions, splits
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,6 +40,7 @@ class PluginCounters:
     matcher_fills: int
     matcher_accepts: int
     chosen_chunk: int
+    token_edits: tuple[int, int, int]
     layer_positions: tuple[int, ...]
 
 
@@ -48,7 +51,7 @@ def encode(counters: StepCounters) -> SpecDecodingStats:
         num_accepted_tokens=counters.committed_tokens,
         num_draft_tokens_per_pos=[counters.positions_after_eviction, counters.matcher_fills,
                                   counters.matcher_accepts, counters.chosen_chunk,
-                                  *counters.layer_positions])
+                                  *counters.token_edits, *counters.layer_positions])
 
 
 def plugin_counters(stats: SpecDecodingStats) -> PluginCounters | None:
@@ -56,4 +59,5 @@ def plugin_counters(stats: SpecDecodingStats) -> PluginCounters | None:
     counts = stats.num_draft_tokens_per_pos
     if not counts:
         return None
-    return PluginCounters(counts[0], counts[1], counts[2], counts[3], tuple(counts[4:]))
+    return PluginCounters(counts[0], counts[1], counts[2], counts[3], tuple(counts[4:7]),
+                          tuple(counts[7:]))

@@ -40,16 +40,22 @@ class PreNormHalves:
         q, k, v = self.attention_module.project(positions, hidden)
         return q, k, v, residual
 
-    def attention_output(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                         residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def attention_output(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                         v: torch.Tensor, residual: torch.Tensor
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
         """The attention, the norm and the MLP; returns (hidden, residual)."""
         hidden = self.attention_module.attend(q, k, v)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden), residual
+        return self.feed_forward(positions, hidden), residual
+
+    def feed_forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        """The layer's MLP (a family whose MLP needs the rows' positions overrides this)."""
+        return self.mlp(hidden)
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor,
                 residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.attention_output(*self.attention_inputs(positions, hidden, residual))
+        return self.attention_output(positions,
+                                     *self.attention_inputs(positions, hidden, residual))
 
 
 def run_layers(model: nn.Module, input_ids: torch.Tensor, positions: torch.Tensor,

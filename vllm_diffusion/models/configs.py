@@ -58,6 +58,7 @@ class LLaDA2MoeConfig(PretrainedConfig):
                  partial_rotary_factor=0.5, rotary_dim=None, norm_topk_prob=True,
                  score_function="sigmoid", router_dtype="fp32",
                  moe_router_enable_expert_bias=True, block_size=32, mask_token_id=None,
+                 expert_capacity=0, delete_token_id=None, split_token_id=None,
                  **kwargs):
         self.vocab_size = vocab_size
         self.hidden_size = hidden_size
@@ -101,6 +102,12 @@ class LLaDA2MoeConfig(PretrainedConfig):
         self.moe_router_enable_expert_bias = moe_router_enable_expert_bias
         self.block_size = block_size
         self.mask_token_id = mask_token_id
+        # LLaDA2.2: block routing (per routing block of ``block_size`` tokens, the best
+        # ``expert_capacity`` experts form the pool each token picks from) when > 0, and
+        # the edit tokens of its joint decoding
+        self.expert_capacity = expert_capacity
+        self.delete_token_id = delete_token_id
+        self.split_token_id = split_token_id
         super().__init__(pad_token_id=pad_token_id, tie_word_embeddings=tie_word_embeddings,
                          **kwargs)
 

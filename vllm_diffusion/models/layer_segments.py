@@ -52,7 +52,7 @@ def _run_units(layers, first, last, positions, hidden, residual, q, k, v):
         if unit % 2 == 0:
             q, k, v, residual = layer.attention_inputs(positions, hidden, residual)
         else:
-            hidden, residual = layer.attention_output(q, k, v, residual)
+            hidden, residual = layer.attention_output(positions, q, k, v, residual)
     return hidden, residual, q, k, v
 
 

@@ -15,6 +15,12 @@ differs:
   biased scores, the best ``topk_group`` groups kept), the chosen experts' unbiased
   scores renormalised whenever top-k > 1 (whatever ``norm_topk_prob`` says), times
   ``routed_scaling_factor``, plus the shared experts;
+- LLaDA2.2 (``expert_capacity > 0``): block routing instead of group-limited routing:
+  per routing block of ``block_size`` tokens of a request (by absolute position), the
+  ``expert_capacity`` experts with the best block score (the maximum over the block's
+  tokens of sigmoid score plus bias) form the pool, each token takes its top-k within it
+  (``block_pool_logits``, ``route_in_pool``), in every forward (prefill, denoising,
+  commit); ``n_group`` / ``topk_group`` are ignored;
 - ``norm_head`` is ignored (as by the published forward).
 
 ``LLaDA2DecoderLayer`` owns its forward (pre-norm residual order) and calls the step
@@ -103,6 +109,16 @@ class LLaDA2MLP(nn.Module):
         return x
 
 
+def chosen_weights(scores: torch.Tensor, ids: torch.Tensor, scaling: float
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The chosen experts' unbiased scores ([T, k] of ``scores`` [T, E] at ``ids``),
+    renormalised when k > 1 (whatever ``norm_topk_prob`` says), times ``scaling``."""
+    weights = scores.gather(1, ids)
+    if ids.shape[1] > 1:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights * scaling, ids
+
+
 def route(hidden_states: torch.Tensor, gating_output: torch.Tensor, topk: int,
           renormalize: bool, *, expert_bias: torch.Tensor, num_groups: int, topk_group: int,
           scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -116,11 +132,66 @@ def route(hidden_states: torch.Tensor, gating_output: torch.Tensor, topk: int,
     keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best_groups, True)
     biased = biased.masked_fill(~keep.repeat_interleave(experts // num_groups, dim=1),
                                 float("-inf"))
-    ids = biased.topk(topk, dim=-1).indices
-    weights = scores.gather(1, ids)
-    if topk > 1:
-        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-    return weights * scaling, ids
+    return chosen_weights(scores, biased.topk(topk, dim=-1).indices, scaling)
+
+
+def routing_blocks(positions: torch.Tensor, routing_block_size: int) -> torch.Tensor:
+    """[T] int64: each row's routing block, numbered from 0 in row order.
+
+    A routing block is ``routing_block_size`` tokens of one request by absolute position.
+    The engine lays each request's rows out contiguously in increasing position, each run
+    starting and ending on routing-block boundaries (whole prompt blocks, then whole
+    diffusion blocks, a multiple of the routing block), so a row starts a new routing
+    block exactly where its position's block differs from the previous row's or its
+    position does not increase (the next request)."""
+    block = torch.div(positions, routing_block_size, rounding_mode="floor")
+    starts = torch.ones_like(positions, dtype=torch.bool)
+    starts[1:] = (block[1:] != block[:-1]) | (positions[1:] <= positions[:-1])
+    return starts.long().cumsum(0) - 1
+
+
+def block_pool_logits(gating_output: torch.Tensor, blocks: torch.Tensor,
+                      expert_bias: torch.Tensor, capacity: int) -> torch.Tensor:
+    """LLaDA2.2's block routing, its pool: the router logits [T, E] (fp32) with -inf for
+    every expert outside the pool of the token's routing block (``blocks`` [T], from
+    ``routing_blocks``): the ``capacity`` experts with the largest block score, the
+    maximum over the block's tokens of sigmoid score plus ``expert_bias``. Ties between
+    block scores fall to ``topk``'s order (the published code's too; measure-zero on real
+    scores)."""
+    logits = gating_output.float()
+    biased = torch.sigmoid(logits) + expert_bias.float()  # [T, E]
+    tokens, experts = biased.shape
+    block_score = torch.full_like(biased, float("-inf")).scatter_reduce(
+        0, blocks[:, None].expand(tokens, experts), biased, "amax")  # [T (blocks), E]
+    pool = block_score.topk(capacity, dim=-1).indices
+    in_pool = torch.zeros_like(biased, dtype=torch.bool).scatter_(1, pool, True)
+    return logits.masked_fill(~in_pool[blocks], float("-inf"))
+
+
+def route_in_pool(hidden_states: torch.Tensor, gating_output: torch.Tensor, topk: int,
+                  renormalize: bool, *, expert_bias: torch.Tensor, scaling: float
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """LLaDA2.2's block routing, per token: its top-k by biased score among the experts
+    its pool allows (finite logits, ``block_pool_logits``), weighted by their unbiased
+    sigmoid scores renormalised when k > 1, times ``routed_scaling_factor``."""
+    logits = gating_output.float()
+    scores = torch.sigmoid(logits)  # 0 outside the pool
+    biased = (scores + expert_bias.float()).masked_fill(logits == float("-inf"),
+                                                         float("-inf"))
+    return chosen_weights(scores, biased.topk(topk, dim=-1).indices, scaling)
+
+
+def block_route(gating_output: torch.Tensor, positions: torch.Tensor,
+                expert_bias: torch.Tensor, top_k: int, capacity: int,
+                routing_block_size: int, scaling: float
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """LLaDA2.2's block routing of a forward's rows, as ``LLaDA2MoE`` runs it (the pool
+    before vLLM's fused MoE, the per-token choice inside it): ([T, k] weights, [T, k]
+    expert ids) from fp32 router logits [T, E] and the rows' positions [T]."""
+    pooled = block_pool_logits(gating_output, routing_blocks(positions, routing_block_size),
+                               expert_bias, capacity)
+    return route_in_pool(None, pooled, top_k, False, expert_bias=expert_bias,
+                         scaling=scaling)
 
 
 class LLaDA2Router(nn.Module):
@@ -140,9 +211,21 @@ class LLaDA2Router(nn.Module):
 class LLaDA2MoE(nn.Module):
     def __init__(self, config, vllm_config: VllmConfig, prefix: str) -> None:
         super().__init__()
-        if config.num_experts % config.n_group or config.num_experts // config.n_group < 2:
+        self.capacity = getattr(config, "expert_capacity", 0) or 0
+        self.routing_block_size = config.block_size
+        if self.capacity:  # LLaDA2.2: n_group / topk_group are ignored
+            if not config.num_experts_per_tok <= self.capacity <= config.num_experts:
+                raise ValueError(
+                    f"expert_capacity {self.capacity} must be between num_experts_per_tok "
+                    f"({config.num_experts_per_tok}) and num_experts ({config.num_experts})")
+            routing = functools.partial(route_in_pool, scaling=config.routed_scaling_factor)
+        elif config.num_experts % config.n_group or config.num_experts // config.n_group < 2:
             raise ValueError(f"{config.num_experts} experts cannot form {config.n_group} "
                              f"groups of at least two (group-limited routing)")
+        else:
+            routing = functools.partial(route, num_groups=config.n_group,
+                                        topk_group=config.topk_group,
+                                        scaling=config.routed_scaling_factor)
         self.gate = LLaDA2Router(config)
         self.shared_experts = None
         if config.num_shared_experts:
@@ -154,14 +237,17 @@ class LLaDA2MoE(nn.Module):
             top_k=config.num_experts_per_tok, hidden_size=config.hidden_size,
             intermediate_size=config.moe_intermediate_size, renormalize=False,
             quant_config=vllm_config.quant_config, prefix=f"{prefix}.experts",
-            custom_routing_function=functools.partial(
-                route, expert_bias=self.gate.expert_bias, num_groups=config.n_group,
-                topk_group=config.topk_group, scaling=config.routed_scaling_factor),
+            custom_routing_function=functools.partial(routing,
+                                                      expert_bias=self.gate.expert_bias),
             router_logits_dtype=torch.float32)
 
-    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return self.experts(hidden_states=hidden_states,
-                            router_logits=self.gate(hidden_states))
+    def forward(self, hidden_states: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        router_logits = self.gate(hidden_states)
+        if self.capacity:
+            router_logits = block_pool_logits(
+                router_logits, routing_blocks(positions, self.routing_block_size),
+                self.gate.expert_bias, self.capacity)
+        return self.experts(hidden_states=hidden_states, router_logits=router_logits)
 
 
 class LLaDA2DecoderLayer(PreNormHalves, nn.Module):
@@ -176,6 +262,11 @@ class LLaDA2DecoderLayer(PreNormHalves, nn.Module):
         else:
             self.mlp = LLaDA2MLP(config, config.intermediate_size, vllm_config, f"{prefix}.mlp")
 
+
+    def feed_forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        if isinstance(self.mlp, LLaDA2MoE):
+            return self.mlp(hidden, positions)
+        return self.mlp(hidden)
 
     @property
     def attention_module(self) -> nn.Module:

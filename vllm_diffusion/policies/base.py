@@ -26,6 +26,7 @@ calls, in order (``begin_step`` first, with every scheduled request):
 from __future__ import annotations
 
 import abc
+from collections.abc import Mapping
 from typing import Any, ClassVar, Generic, TypeVar
 
 import torch
@@ -61,6 +62,18 @@ class DecodingPolicy(abc.ABC, Generic[ConfigT, StateT]):
         self.block_size = block_size
         self.mask_token_id = mask_token_id
         self.engine_config = engine_config  # the engine's defaults of config_cls
+
+    @classmethod
+    def llada22_refusal(cls, engine_options: Mapping[str, Any]) -> str | None:
+        """Why this policy, with these engine options (``additional_config`` as given),
+        cannot decode LLaDA2.2, or None where it can: every forward must compute whole
+        blocks (its block routing pools experts over all of a routing block's tokens) and
+        the commit rule must be the joint loop (``unmasking.StrategyPolicy`` runs it)."""
+        return ("it computes part of a block in some forwards (LLaDA2.2's block routing "
+                "chooses each routing block's experts from all of its tokens, so the pool "
+                "would be chosen from the rows present only) or does not unmask by the "
+                "strategies (LLaDA2.2 decodes by its joint editing loop); use the standard "
+                "policy")
 
     def bind_model(self, hf_config: Any, prefix_caching: bool) -> None:
         """Check that the policy (with the engine's options) can run on this model and with
@@ -106,6 +119,19 @@ class DecodingPolicy(abc.ABC, Generic[ConfigT, StateT]):
         """[R, B] bool: filled positions that take their proposal this step (a subset of
         ``batch.filled``); None: no edit."""
         return None
+
+    def rewrites_blocks(self) -> bool:
+        """Whether a step may move tokens within a block (LLaDA2.2's DELETE / SPLIT edits):
+        then the runner asks ``rewrite_block`` for each block instead of
+        ``choose_commits`` / ``choose_edits`` / ``block_ends``."""
+        return False
+
+    def rewrite_block(self, request: DiffusionRequest[ConfigT, StateT], old: torch.Tensor,
+                      proposals: torch.Tensor, confidence: torch.Tensor,
+                      ranked: torch.Tensor) -> Any:
+        """One step of the request's block: old, proposals, confidence: [B]; ranked:
+        [B, r] each position's best tokens in order. Returns a ``JointStep``."""
+        raise NotImplementedError(f"the {self.name} policy does not rewrite blocks")
 
     def block_ends(self, request: DiffusionRequest[ConfigT, StateT], edited: bool,
                    began_unmasked: bool) -> bool:

@@ -5,7 +5,8 @@ window of chunked decoding (``chunk_window.py``), and unmasks by one of the stra
 from __future__ import annotations
 
 import dataclasses
-from typing import ClassVar
+from collections.abc import Mapping
+from typing import Any, ClassVar
 
 import torch
 
@@ -25,6 +26,13 @@ class StandardPolicy(StrategyPolicy[StandardConfig, ChunkWindow]):
 
     name: ClassVar[str] = "standard"
     config_cls: ClassVar[type] = StandardConfig
+
+    @classmethod
+    def llada22_refusal(cls, engine_options: Mapping[str, Any]) -> str | None:
+        if engine_options.get("chunk_size") is not None:
+            return ("option 'chunk_size' computes part of a block in a forward, which "
+                    "LLaDA2.2's block routing cannot do; remove it")
+        return None
 
     def new_state(self, config: StandardConfig) -> ChunkWindow:
         return ChunkWindow(self.block_size)

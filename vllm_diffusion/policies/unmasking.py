@@ -27,12 +27,14 @@ choice and LLaDA2.1 token editing; what to compute is each policy's own).
 from __future__ import annotations
 
 import dataclasses
-from typing import ClassVar, Generic, TypeVar
+from typing import Any, ClassVar, Generic, TypeVar
 
 import torch
 
 from vllm_diffusion.options import OptionError, Rule, option
 from vllm_diffusion.policies.base import DecodingPolicy, PolicyConfig
+from vllm_diffusion.policies.joint_editing import (EditTokens, JointBlockState, JointStep,
+                                                   edit_tokens_of, joint_step)
 from vllm_diffusion.step.plans import CommitBatch, EditBatch
 from vllm_diffusion.step.request import DiffusionRequest
 
@@ -44,7 +46,8 @@ STRATEGIES = ("low_confidence_dynamic", "low_confidence_static", "sequential", "
 class StrategyConfig(PolicyConfig):
     """Options of the policies that unmask by one of ``STRATEGIES``."""
 
-    engine_only: ClassVar[tuple[str, ...]] = ("max_post_steps_limit",)
+    engine_only: ClassVar[tuple[str, ...]] = ("max_post_steps_limit",
+                                              "max_steps_per_block_limit")
 
     strategy: str = option("low_confidence_dynamic", Rule(str, choices=STRATEGIES))
     threshold: float = option(0.9, Rule(float, low=0.0, high=1.0))
@@ -62,6 +65,10 @@ class StrategyConfig(PolicyConfig):
     # Engine-wide: the largest 'max_post_steps' a request may ask for (each post step is
     # a forward of the block, so the option multiplies a request's work).
     max_post_steps_limit: int = option(64, Rule(int, low=0, high=4096))
+    # LLaDA2.2: the hard cap on a block's denoising steps (published 1000), at most the
+    # engine-wide 'max_steps_per_block_limit'.
+    max_steps_per_block: int = option(1000, Rule(int, low=1, high=100000))
+    max_steps_per_block_limit: int = option(1000, Rule(int, low=1, high=100000))
 
     def validate_for_block(self, block_size: int, source: str) -> None:
         if self.max_post_steps > self.max_post_steps_limit:
@@ -69,6 +76,11 @@ class StrategyConfig(PolicyConfig):
                 f"{source}: option 'max_post_steps' must be at most the engine's "
                 f"'max_post_steps_limit' ({self.max_post_steps_limit}), got "
                 f"{self.max_post_steps}")
+        if self.max_steps_per_block > self.max_steps_per_block_limit:
+            raise OptionError(
+                f"{source}: option 'max_steps_per_block' must be at most the engine's "
+                f"'max_steps_per_block_limit' ({self.max_steps_per_block_limit}), got "
+                f"{self.max_steps_per_block}")
         if self.denoising_steps is not None and self.denoising_steps > block_size:
             raise OptionError(
                 f"{source}: option 'denoising_steps' must be at most the block size "
@@ -206,8 +218,29 @@ class StrategyPolicy(DecodingPolicy[StrategyConfigT, StateT],
     what to compute is each policy's own), with LLaDA2.1 token editing where a request
     asks for it (``editing_threshold``)."""
 
+    # LLaDA2.2's DELETE / SPLIT ids when bound to a LLaDA2.2 checkpoint: its blocks then
+    # decode by the joint loop (``joint_editing.py``)
+    edit_tokens: EditTokens | None = None
+
+    def bind_model(self, hf_config: Any, prefix_caching: bool) -> None:
+        self.edit_tokens = edit_tokens_of(hf_config)
+
+    def rewrites_blocks(self) -> bool:
+        return self.edit_tokens is not None
+
+    def rewrite_block(self, request: DiffusionRequest[StrategyConfigT, StateT],
+                      old: torch.Tensor, proposals: torch.Tensor, confidence: torch.Tensor,
+                      ranked: torch.Tensor) -> JointStep:
+        canvas, config = request.canvas, request.policy_config
+        if canvas.joint is None:
+            canvas.joint = JointBlockState.start(canvas.tokens, self.mask_token_id,
+                                                 config.steps_for(self.block_size))
+        return joint_step(canvas.joint, old, proposals, confidence, ranked, canvas.steps,
+                          config, self.mask_token_id, self.edit_tokens)
+
     def edits_tokens(self, request: DiffusionRequest[StrategyConfigT, StateT]) -> bool:
-        return request.policy_config.editing_threshold is not None
+        return (self.edit_tokens is not None
+                or request.policy_config.editing_threshold is not None)
 
     def choose_edits(self, batch: EditBatch) -> torch.Tensor | None:
         limits = [r.policy_config.editing_threshold for r in batch.requests]

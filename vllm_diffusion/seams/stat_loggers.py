@@ -47,6 +47,11 @@ class DiffusionSpecDecodingProm(SpecDecodingProm):
             documentation="Steps by the chunk size an adaptive policy (elastic) chose for "
                           "them (label 'chunk').",
             labelnames=[*_LABELS, "chunk"])
+        self.token_edits = self._counter_cls(
+            name="vllm:diffusion_num_token_edits",
+            documentation="Token edits (LLaDA2.1 / 2.2 editing) by kind (label 'kind': "
+                          "substitution, deletion, split).",
+            labelnames=[*_LABELS, "kind"])
         self.per_layer = self._counter_cls(
             name="vllm:diffusion_num_layer_positions",
             documentation="Block positions whose queries each layer computed (label "
@@ -69,6 +74,9 @@ class DiffusionSpecDecodingProm(SpecDecodingProm):
         if counters.chosen_chunk:
             self.chunk_steps.labels(*self.engine_labels[engine_idx],
                                     str(counters.chosen_chunk)).inc()
+        for kind, count in zip(("substitution", "deletion", "split"), counters.token_edits):
+            if count:
+                self.token_edits.labels(*self.engine_labels[engine_idx], kind).inc(count)
         for layer, count in enumerate(counters.layer_positions):
             self.per_layer.labels(*self.engine_labels[engine_idx], str(layer)).inc(count)
 

@@ -33,6 +33,8 @@ class BlockCanvas:
     # [B, 2 + 2k] float64 (host): each position's logprob columns from the step that last
     # changed it (``worker/logprobs.py``); None unless the request asks for logprobs
     logprobs: torch.Tensor | None = None
+    # LLaDA2.2's joint-decoding state of the block (``policies.joint_editing``), or None
+    joint: Any = None
 
     def __post_init__(self) -> None:
         if self.decoded_at is None:
@@ -52,6 +54,18 @@ class BlockCanvas:
         self.post_steps += int(began_unmasked)
         self.decoded_at[positions] = self.first_step + self.steps
         self.steps += 1
+
+    def rearrange(self, source: torch.Tensor, tokens: torch.Tensor) -> None:
+        """Edits moved the block's tokens: position j now holds ``tokens[j]``, which was at
+        ``source[j]`` ([B] int64; -1 for a new mask); per-position records move along."""
+        moved = source >= 0
+        origin = source.clamp(min=0)
+        self.tokens = tokens
+        self.decoded_at = torch.where(moved, self.decoded_at[origin],
+                                      torch.full_like(self.decoded_at, -1))
+        if self.logprobs is not None:
+            self.logprobs = torch.where(moved[:, None], self.logprobs[origin],
+                                        torch.zeros_like(self.logprobs))
 
     def masked(self, mask_token_id: int) -> torch.Tensor:
         """[B] bool: positions still undecided."""

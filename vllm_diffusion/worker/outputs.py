@@ -1,4 +1,5 @@
-"""What one diffusion step returns to the scheduler, in declared fields.
+"""What one diffusion step returns to the scheduler, in declared fields, and what its
+unmasking decided per block (``StepDecisions``, ``EmittedTokens``).
 
 ``DiffusionRunnerOutput`` extends vLLM's ``ModelRunnerOutput`` (a dataclass the executor
 pickles across processes as it is) with the per-step diffusion results. The scheduler
@@ -9,6 +10,8 @@ loudly instead of losing these fields.
 from __future__ import annotations
 
 import dataclasses
+
+import torch
 
 from vllm.v1.outputs import ModelRunnerOutput
 
@@ -29,6 +32,8 @@ class DiffusionRunnerOutput(ModelRunnerOutput):
     matcher_calls: tuple[int, int] = (0, 0)
     # the chunk size the policy chose for this step (0: none chosen)
     chosen_chunk: int = 0
+    # Token edits this step: (substitutions, deletions, splits) -- LLaDA2.1 / 2.2 editing
+    token_edits: tuple[int, int, int] = (0, 0, 0)
     # req_id -> the denoising step that unmasked each of its output tokens so far (only
     # for requests that asked for a step map and emitted tokens this step).
     step_maps: dict[str, list[int]] = dataclasses.field(default_factory=dict)
@@ -62,7 +67,37 @@ class DiffusionStats:
     block_positions_per_layer: list[int] = dataclasses.field(default_factory=list)
     tokens_committed: int = 0  # final tokens emitted
     blocks_completed: int = 0
-    tokens_edited: int = 0  # filled positions given another token (LLaDA2.1 editing)
+    # edits of filled positions: substitutions (LLaDA2.1 and 2.2) and LLaDA2.2's DELETE /
+    # SPLIT writes (also on masks), which are counted on their own too
+    tokens_edited: int = 0
     edited_blocks_completed: int = 0  # completed blocks with at least one edit
+    tokens_deleted: int = 0  # DELETE writes (LLaDA2.2 editing)
+    tokens_split: int = 0  # SPLIT writes (LLaDA2.2 editing)
     grammar_fills: int = 0  # structured output: matcher bitmask fills
     grammar_accepts: int = 0  # structured output: tokens advanced through a matcher
+
+
+@dataclasses.dataclass
+class EmittedTokens:
+    """What a request returns from a step."""
+
+    tokens: list[int]  # newly final tokens
+    logprobs: torch.Tensor | None  # [len(tokens), 2 + 2k] logprob columns, if asked for
+    step_map: list[int] | None  # the step map so far, if asked for
+
+
+@dataclasses.dataclass
+class StepDecisions:
+    """What the step decided for its R denoised blocks: [R, B] tensors (host) and their
+    per-block summaries."""
+
+    commits: torch.Tensor  # [R, B] bool: positions unmasked
+    edits: torch.Tensor  # [R, B] bool: filled positions given a new token
+    tokens_after: torch.Tensor  # [R, B] int64: the blocks after commits and edits
+    masked: torch.Tensor  # [R, B] bool: masked before the step
+    computed: torch.Tensor  # [R, B] bool: positions that went through every layer
+    num_decoded: list[int]
+    token_lists: list[list[int]]  # tokens_after as lists
+    no_mask_left: list[bool]
+    num_edited: list[int]  # filled positions given a new token, per block
+    began_unmasked: list[bool]  # the step started with no masked position

@@ -244,6 +244,9 @@ class Proposals:
     # [m, 2 + 2k] float64 (``logprobs.columns``) for the m rows of the requests asking
     # for logprobs, in row order; None when none asks
     logprobs: torch.Tensor | None = None
+    # [n, r] int64, each row's r best tokens in order (after the logit stages), where the
+    # pipeline keeps them (``ranked``); None otherwise
+    ranked: torch.Tensor | None = None
 
     @staticmethod
     def concat(parts: list[Proposals]) -> Proposals:
@@ -255,7 +258,8 @@ class Proposals:
 
 class ProposalPipeline:
     def __init__(self, mask_token_id: int, confidence_rule: str = "sampled_token",
-                 max_rows: int | None = None, logprobs_mode: str = "raw_logprobs") -> None:
+                 max_rows: int | None = None, logprobs_mode: str = "raw_logprobs",
+                 ranked: int = 0) -> None:
         if confidence_rule not in CONFIDENCE_RULES:
             raise ValueError(f"confidence rule {confidence_rule!r}: expected one of "
                              f"{CONFIDENCE_RULES}")
@@ -266,6 +270,7 @@ class ProposalPipeline:
         self.max_probability = confidence_rule == "max_probability"
         self.max_rows = max_rows  # rows of logits at once (None: the whole step)
         self.logprobs_mode = logprobs_mode
+        self.ranked = ranked  # best tokens kept per row (0: none)
         self.logit_stages = [stage for stage in LOGIT_STAGES.values() if stage is not None]
 
     def propose(self, logits: torch.Tensor, counts: list[int], params: list,
@@ -294,6 +299,8 @@ class ProposalPipeline:
                                   max_probability=self.max_probability,
                                   with_entropy=with_entropy)
         proposals = Proposals(*drawn)
+        if self.ranked:
+            proposals.ranked = batch.logits.topk(self.ranked, dim=-1).indices
         if logprob_rows is not None:
             rows = logprob_rows.to(batch.logits.device)
             if raw is None:

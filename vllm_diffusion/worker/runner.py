@@ -23,12 +23,19 @@ from vllm.logger import init_logger
 from vllm_diffusion.attention.backend import BlockDiffusionMetadata
 from vllm_diffusion.config import engine_config_from_vllm, wants_step_map
 from vllm_diffusion.models.step_run import StepRun
+from vllm_diffusion.policies.joint_editing import ALTERNATIVES
 from vllm_diffusion.step.hooks import ForwardStep, StepHooks
 from vllm_diffusion.step.plans import CommitBatch, EditBatch
 from vllm_diffusion.step.request import DiffusionRequest
 from vllm_diffusion.step.rows import StepRows
 from vllm_diffusion.worker.geometry import BlockGeometry
-from vllm_diffusion.worker.outputs import DiffusionRunnerOutput, DiffusionStats, empty_output
+from vllm_diffusion.worker.outputs import (
+    DiffusionRunnerOutput,
+    DiffusionStats,
+    EmittedTokens,
+    StepDecisions,
+    empty_output,
+)
 from vllm_diffusion.worker.bad_words import undo_completed_words
 from vllm_diffusion.worker.grammar import GrammarCompiler, GrammarStep, advance
 from vllm_diffusion.worker.logprobs import (
@@ -61,32 +68,6 @@ class DenoisedBlock:
     num_computed: int  # its block positions with logits
 
 
-@dataclasses.dataclass
-class EmittedTokens:
-    """What a request returns from a step."""
-
-    tokens: list[int]  # newly final tokens
-    logprobs: torch.Tensor | None  # [len(tokens), 2 + 2k] logprob columns, if asked for
-    step_map: list[int] | None  # the step map so far, if asked for
-
-
-@dataclasses.dataclass
-class StepDecisions:
-    """What the step decided for its R denoised blocks: [R, B] tensors (host) and their
-    per-block summaries."""
-
-    commits: torch.Tensor  # [R, B] bool: positions unmasked
-    edits: torch.Tensor  # [R, B] bool: filled positions given a new token
-    tokens_after: torch.Tensor  # [R, B] int64: the blocks after commits and edits
-    masked: torch.Tensor  # [R, B] bool: masked before the step
-    computed: torch.Tensor  # [R, B] bool: positions that went through every layer
-    num_decoded: list[int]
-    token_lists: list[list[int]]  # tokens_after as lists
-    no_mask_left: list[bool]
-    num_edited: list[int]  # filled positions given a new token, per block
-    began_unmasked: list[bool]  # the step started with no masked position
-
-
 class DiffusionRunnerMixin:
     """Mixed into vLLM's ``GPUModelRunner`` / ``CPUModelRunner``."""
 
@@ -101,7 +82,8 @@ class DiffusionRunnerMixin:
             self.diffusion.mask_token_id, self.policy.confidence_rule,
             chunk_rows(self.diffusion.logits_memory_mib,
                        self.vllm_config.model_config.get_vocab_size()),
-            self.vllm_config.model_config.logprobs_mode)
+            self.vllm_config.model_config.logprobs_mode,
+            ranked=ALTERNATIVES if self.policy.rewrites_blocks() else 0)
         self.diffusion_requests: dict[str, DiffusionRequest] = {}
         self.num_layers = self.vllm_config.model_config.hf_config.num_hidden_layers
         self.diffusion_stats = DiffusionStats()
@@ -162,7 +144,8 @@ class DiffusionRunnerMixin:
                                                             "planning its step", err)
         stats = self.diffusion_stats
         before = (stats.block_positions_computed, stats.block_positions_after_eviction,
-                  stats.grammar_fills, stats.grammar_accepts)
+                  stats.grammar_fills, stats.grammar_accepts, stats.tokens_edited,
+                  stats.tokens_deleted, stats.tokens_split)
         emitted: dict[str, EmittedTokens] = {}
         layer_rows: list[int] = []
         if rows:
@@ -185,9 +168,17 @@ class DiffusionRunnerMixin:
             denoised_blocks=sum(r.request is not None and r.req_id not in failed for r in rows),
             matcher_calls=(stats.grammar_fills - before[2], stats.grammar_accepts - before[3]),
             chosen_chunk=(self.policy.chosen_chunk() or 0) if rows else 0,
+            token_edits=self._edit_counts(before[4:]),
             step_maps={r: e.step_map for r, e in emitted.items() if e.step_map is not None},
             failed_requests=failed,
         )
+
+    def _edit_counts(self, before: tuple[int, int, int]) -> tuple[int, int, int]:
+        """This step's (substitutions, deletions, splits), from the counters' values
+        ``before`` it (edited, deleted, split)."""
+        stats = self.diffusion_stats
+        deleted, split = stats.tokens_deleted - before[1], stats.tokens_split - before[2]
+        return stats.tokens_edited - before[0] - deleted - split, deleted, split
 
     def _fail_request(self, req_id: str, doing: str, err: Exception) -> str:
         """Forget a request whose policy work raised; the scheduler finishes it."""
@@ -315,6 +306,8 @@ class DiffusionRunnerMixin:
         columns = [proposed.tokens, proposed.confidence]
         if with_entropy:
             columns.append(proposed.entropy)
+        if proposed.ranked is not None:
+            columns += list(proposed.ranked.T)
         parts = [torch.stack([c.double() for c in columns]).flatten()]
         if proposed.logprobs is not None:
             parts.append(proposed.logprobs.flatten())
@@ -328,6 +321,13 @@ class DiffusionRunnerMixin:
         full_confidence[block_of_row, position_of_row] = table[1].float()
         computed = torch.zeros(len(blocks), block_size, dtype=torch.bool)
         computed[block_of_row, position_of_row] = True
+        if proposed.ranked is not None:  # the policy rewrites blocks (LLaDA2.2 editing)
+            ranked = torch.zeros(len(blocks), block_size, proposed.ranked.shape[1],
+                                 dtype=torch.long)
+            ranked[block_of_row, position_of_row] = (
+                table[len(columns) - proposed.ranked.shape[1]:].T.long())
+            return self._rewrite_blocks(blocks, states, proposals, full_confidence, ranked,
+                                        computed, failed)
         available = masked & computed
         if grammar.active:  # only a grammar-valid run from the leftmost undecided position
             grammar.constrain(proposals, full_confidence, available, computed)
@@ -401,6 +401,37 @@ class DiffusionRunnerMixin:
                             if row is None else row[0])
             return torch.stack(rows)
 
+    def _rewrite_blocks(self, blocks: list[DenoisedBlock], states: list[Any],
+                        proposals: torch.Tensor, confidence: torch.Tensor,
+                        ranked: torch.Tensor, computed: torch.Tensor,
+                        failed: dict[str, str]) -> dict[str, EmittedTokens]:
+        """A step of blocks whose tokens may move (``policy.rewrite_block``): proposals and
+        confidence [R, B], ranked [R, B, r], computed [R, B] (whole blocks)."""
+        emitted: dict[str, EmittedTokens] = {}
+        stats, mask_id = self.diffusion_stats, self.diffusion.mask_token_id
+        for i, (block, state) in enumerate(zip(blocks, states)):
+            req_id = block.rows.req_id
+            if req_id in failed:
+                continue
+            try:
+                request, canvas = block.rows.request, block.rows.canvas
+                masked = canvas.masked(mask_id)
+                step = self.policy.rewrite_block(request, canvas.tokens, proposals[i],
+                                                 confidence[i], ranked[i])
+                canvas.commit(step.changed, step.tokens_written,
+                              began_unmasked=not bool(masked.any()))
+                canvas.rearrange(step.source, step.tokens)
+                stats.tokens_deleted += step.deletions
+                stats.tokens_split += step.splits
+                emitted[req_id] = self._finish_step(
+                    block, state, step.ended, masked, computed[i],
+                    int((step.changed & masked).sum()),
+                    int((step.changed & ~masked).sum()) + step.deletions + step.splits,
+                    canvas.tokens.tolist())
+            except Exception as err:  # noqa: BLE001 - isolated to this request
+                failed[req_id] = self._fail_request(req_id, "rewriting its block", err)
+        return emitted
+
     def _unmask(self, block: DenoisedBlock, state: Any, decisions: StepDecisions, i: int,
                 logprobs: torch.Tensor | None) -> EmittedTokens:
         """Apply the commits and edits of block ``i`` of the step to its request and return
@@ -415,15 +446,24 @@ class DiffusionRunnerMixin:
         block_done = (decisions.no_mask_left[i]
                       and self.policy.block_ends(request, decisions.num_edited[i] > 0,
                                                  decisions.began_unmasked[i]))
-        self.policy.after_step(request, decisions.masked[i], decisions.computed[i],
-                               num_decoded)
+        return self._finish_step(block, state, block_done, decisions.masked[i],
+                                 decisions.computed[i], num_decoded, decisions.num_edited[i],
+                                 decisions.token_lists[i])
+
+    def _finish_step(self, block: DenoisedBlock, state: Any, block_done: bool,
+                     masked: torch.Tensor, computed: torch.Tensor, num_decoded: int,
+                     num_edited: int, tokens: list[int]) -> EmittedTokens:
+        """After a block's step (its canvas updated): tell the policy, emit the newly
+        final tokens (``tokens``: the block now), count."""
+        request, canvas = block.rows.request, block.rows.canvas
+        self.policy.after_step(request, masked, computed, num_decoded)
         if block_done:
             self.policy.on_block_complete(request)
         num_known = len(state.prompt_token_ids) + len(state.output_token_ids)
         if not block_done and self.policy.edits_tokens(request):
             decoded = []  # its tokens may still change until the block ends
         else:
-            decoded = emit_final_tokens(decisions.token_lists[i], canvas.start, num_known,
+            decoded = emit_final_tokens(tokens, canvas.start, num_known,
                                         self.diffusion.mask_token_id)
         final = truncate_at_stop(decoded, state.sampling_params, len(state.output_token_ids))
         if request.wants_step_map:
@@ -437,8 +477,8 @@ class DiffusionRunnerMixin:
         stats.block_positions_after_eviction += block.num_computed
         stats.tokens_committed += len(final)
         stats.blocks_completed += int(block_done)
-        stats.tokens_edited += decisions.num_edited[i]
-        canvas.edits += decisions.num_edited[i]
+        stats.tokens_edited += num_edited
+        canvas.edits += num_edited
         stats.edited_blocks_completed += int(block_done and canvas.edits > 0)
         offset = num_known - canvas.start
         return EmittedTokens(

@@ -137,7 +137,8 @@ class BlockDiffusionScheduler(Scheduler):
             layer_positions=tuple(runner_output.layer_block_positions),
             matcher_fills=runner_output.matcher_calls[0],
             matcher_accepts=runner_output.matcher_calls[1],
-            chosen_chunk=runner_output.chosen_chunk))
+            chosen_chunk=runner_output.chosen_chunk,
+            token_edits=runner_output.token_edits))
 
     def make_stats(self, spec_decoding_stats: SpecDecodingStats | None = None, *args: Any,
                    **kwargs: Any):

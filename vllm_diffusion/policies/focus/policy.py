@@ -125,12 +125,23 @@ class FocusPolicy(StrategyPolicy[FocusConfig, FocusRequestState]):
     name: ClassVar[str] = "focus"
     config_cls: ClassVar[type] = FocusConfig
 
+    @classmethod
+    def llada22_refusal(cls, engine_options: Mapping[str, Any]) -> str | None:
+        if (engine_options.get("evict", True) or engine_options.get("intra_block_cache", True)
+                or engine_options.get("commit", "exact") != "exact"):
+            return ("it serves LLaDA2.2 only with its full budget: set 'evict' and "
+                    "'intra_block_cache' to false and keep commit='exact' (LLaDA2.2's block "
+                    "routing chooses each routing block's experts from all of its tokens, "
+                    "so every forward must compute whole blocks)")
+        return None
+
     def __init__(self, block_size: int, mask_token_id: int,
                  engine_config: FocusConfig) -> None:
         super().__init__(block_size, mask_token_id, engine_config)
         self.eviction_layer = engine_config.eviction_layer
 
     def bind_model(self, hf_config: Any, prefix_caching: bool) -> None:
+        super().bind_model(hf_config, prefix_caching)  # LLaDA2.2's edit tokens
         num_layers = hf_config.num_hidden_layers
         if num_layers <= self.eviction_layer:
             raise ValueError(f"the focus policy evicts after layer {self.eviction_layer} "
