@@ -154,6 +154,30 @@ def test_joint_decoding_equals_the_reference(checkpoint, case):
 
 
 @pytest.mark.engine
+def test_eos_is_looked_for_among_generated_positions_only(checkpoint):
+    """An EOS in the prompt tail (the first block's fixed positions) ends nothing; the
+    output stops where the reference loop finds EOS among generated positions."""
+    config, mask = model_info(checkpoint)
+    eos = config["eos_token_id"]
+    prompts = [p[:-2] + [eos] + p[-1:] for p in joint_prompts(config, seed=30)]
+    options = {"editing_threshold": 0.5, "max_post_steps": 4}
+    params = SamplingParams(temperature=0, max_tokens=40, extra_args=options)
+    with diffusion_llm(checkpoint, diffusion_block_size=8) as llm:
+        outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params,
+                               use_tqdm=False)
+    reference = ReferenceLLaDA22(checkpoint)
+    for prompt, output in zip(prompts, outputs):
+        tokens, _, fired = reference_generate_joint(
+            reference, prompt, block_size=8, mask_id=mask, delete=config["delete_token_id"],
+            split=config["split_token_id"], max_tokens=40, threshold=0.5,
+            stop_token_ids={eos}, **options)
+        got = list(output.outputs[0].token_ids)
+        assert got, "the prompt's EOS ended the request"
+        if not fired:
+            assert got == tokens
+
+
+@pytest.mark.engine
 def test_focus_with_its_full_budget_equals_the_reference(checkpoint):
     """FOCUS without eviction or intra-block cache computes whole blocks: it decodes
     LLaDA2.2 as the reference loop does; a request asking to evict is refused."""

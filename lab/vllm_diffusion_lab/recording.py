@@ -149,6 +149,18 @@ class RecordingPolicy(DecodingPolicy):
     def choose_edits(self, batch: EditBatch) -> torch.Tensor | None:
         return self.inner.choose_edits(batch)
 
+    @classmethod
+    def llada22_refusal(cls, engine_options: Any) -> str | None:
+        return "importance recording studies SDAR-style decoding, not LLaDA2.2's"
+
+    def rewrites_blocks(self) -> bool:
+        return self.inner.rewrites_blocks()
+
+    def rewrite_block(self, request: DiffusionRequest, old: torch.Tensor,
+                      proposals: torch.Tensor, confidence: torch.Tensor,
+                      ranked: torch.Tensor) -> Any:
+        return self.inner.rewrite_block(request, old, proposals, confidence, ranked)
+
     def block_ends(self, request: DiffusionRequest, edited: bool, began_unmasked: bool) -> bool:
         return self.inner.block_ends(request, edited, began_unmasked)
 
