@@ -3,8 +3,10 @@ pieces compiled with a dynamic row dimension (``models/layer_segments.py``), so 
 eviction and ES-dLLM's skipping no longer force eager mode. Greedy output of a compiled
 engine equals the policies' plain references token for token on a named grid (blocks 16
 and 32; batches of prompts shorter than a block, one block and several blocks, run as
-batches of 1, 3 and 2 requests so the pieces see many row counts); a policy with hooks at
-other layers compiles the same way; ``--enforce-eager`` is honoured."""
+batches of 1, 3 and 2 requests so the pieces see many row counts), also with the rows
+after a drop padded to buckets (``diffusion_row_buckets``: the padding never changes an
+output); a policy with hooks at other layers compiles the same way; ``--enforce-eager``
+is honoured."""
 
 from __future__ import annotations
 
@@ -35,6 +37,11 @@ GRID = {
     "es-b32": ("es", 32, {}, {"strategy": "threshold", "threshold": 0.7}),
     "es-b16-other-layers": ("es", 16, {"skip_layers": [0, 2]},
                             {"strategy": "low_confidence_dynamic", "threshold": 0.5}),
+    # rows after a drop padded to a few counts (for CUDA graphs): outputs unchanged
+    "focus-b32-buckets": ("focus", 32, {"diffusion_row_buckets": [8, 16, 32, 64, 128]},
+                          {"strategy": "threshold", "threshold": 0.7}),
+    "es-b16-buckets": ("es", 16, {"diffusion_row_buckets": [4, 16, 64]},
+                       {"strategy": "threshold", "threshold": 0.7}),
 }
 
 
@@ -86,6 +93,8 @@ def test_compiled_hook_policies_equal_their_references(name, four_layer_checkpoi
             assert torch._dynamo.eval_frame._debug_get_cache_entry_list(code)
     per_layer = stats["block_positions_per_layer"]
     assert per_layer[-1] < per_layer[0]  # rows really were dropped inside the forward
+    # padding rows were really added where buckets are asked for
+    assert (stats["bucket_padding_rows"] > 0) == ("diffusion_row_buckets" in engine)
 
 
 def test_enforce_eager_is_honoured(four_layer_checkpoint):

@@ -91,3 +91,31 @@ def test_kv_transfer_params_is_refused_by_name():
                                           r"engines .* is not supported"):
         engine.request_policy_config({"kv_transfer_params": {"do_remote_decode": True}})
     assert engine.request_policy_config({"kv_transfer_params": {}}) == engine.policy_config
+
+
+@pytest.mark.parametrize("buckets, message", [
+    ([], "non-empty list"), (8, "non-empty list"), ([16, 8], "must be increasing"),
+    ([8, 8], "must be increasing"), ([0, 8], "diffusion_row_buckets"),
+    (["x"], "diffusion_row_buckets")])
+def test_row_buckets_are_validated(buckets, message):
+    from vllm_diffusion.config import parse_engine_options
+
+    with pytest.raises(OptionError, match=message):
+        parse_engine_options({"diffusion_row_buckets": buckets}, config_block_size=8,
+                             config_mask_token_id=0, vocab_size=100)
+    config = parse_engine_options({"diffusion_row_buckets": [8, 32]}, config_block_size=8,
+                                  config_mask_token_id=0, vocab_size=100)
+    assert config.row_buckets == (8, 32)
+    assert parse_engine_options(config.to_dict(), config_block_size=None,
+                                config_mask_token_id=None, vocab_size=100) == config
+
+
+def test_step_cap_is_bounded_by_the_engine_limit():
+    from vllm_diffusion.config import DiffusionEngineConfig
+    from vllm_diffusion.policies.standard import StandardConfig
+
+    engine = DiffusionEngineConfig("standard", 8, 0, StandardConfig())
+    with pytest.raises(OptionError, match=r"'max_steps_per_block_limit' \(1000\), got 1001"):
+        engine.request_policy_config({"max_steps_per_block": 1001})
+    with pytest.raises(OptionError, match="'max_steps_per_block_limit' is engine-wide"):
+        engine.request_policy_config({"max_steps_per_block_limit": 5000})

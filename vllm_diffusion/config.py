@@ -2,7 +2,8 @@
 
 Engine-wide options come from ``--additional-config`` (``LLM(additional_config=...)``) or
 ``--diffusion-policy``; keys are ``diffusion_policy``, ``diffusion_block_size``,
-``mask_token_id``, ``diffusion_logits_memory_mib`` (the memory a step's logits may take at
+``mask_token_id``, ``diffusion_row_buckets`` (row counts a forward pads to after a policy
+drops rows, for CUDA graphs), ``diffusion_logits_memory_mib`` (the memory a step's logits may take at
 once: they are computed and reduced to proposals in chunks of requests within it) and
 the chosen policy's options (``threshold``, ``strategy``, ...).
 Per-request overrides of the policy's options come from ``SamplingParams.extra_args``
@@ -21,7 +22,7 @@ from vllm_diffusion.policies import POLICIES
 DEFAULT_BLOCK_SIZE = 4  # SDAR's default
 DEFAULT_LOGITS_MEMORY_MIB = 256
 ENGINE_KEYS = ("diffusion_policy", "diffusion_block_size", "mask_token_id",
-               "diffusion_logits_memory_mib", "edit_token_ids")
+               "diffusion_logits_memory_mib", "edit_token_ids", "diffusion_row_buckets")
 # Per-request keys that are not policy options; ``diffusion_policy`` is checked separately.
 REQUEST_KEYS = ("diffusion_policy", "return_step_map")
 _REQUEST_RULES = {"return_step_map": Rule(bool)}
@@ -40,6 +41,11 @@ class DiffusionEngineConfig:
     # (DELETE, SPLIT) of a LLaDA2.2 checkpoint, resolved from its config at start-up;
     # None for the other models
     edit_token_ids: tuple[int, int] | None = None
+    # After a policy drops rows inside the forward, the rows that continue are padded up
+    # to the smallest of these counts that holds them (None: never padded). For CUDA
+    # graphs captured per count; padding rows are left out of attention, KV writes and
+    # outputs.
+    row_buckets: tuple[int, ...] | None = None
 
     @property
     def policy(self) -> type:
@@ -56,6 +62,7 @@ class DiffusionEngineConfig:
             "mask_token_id": self.mask_token_id,
             "diffusion_logits_memory_mib": self.logits_memory_mib,
             "edit_token_ids": self.edit_token_ids,
+            "diffusion_row_buckets": self.row_buckets,
             **dataclasses.asdict(self.policy_config),
         }
 
@@ -149,6 +156,16 @@ def parse_engine_options(values: Mapping[str, Any], *, config_block_size: int | 
     if edit_token_ids is not None:
         edit_token_ids = tuple(Rule(int, low=0, high=vocab_size - 1).check(
             "edit_token_ids", token, source) for token in edit_token_ids)
+    row_buckets = values.pop("diffusion_row_buckets", None)
+    if row_buckets is not None:
+        if not isinstance(row_buckets, (list, tuple)) or not row_buckets:
+            raise OptionError(f"{source}: option 'diffusion_row_buckets' must be a non-empty "
+                              f"list of row counts, got {shown(row_buckets)}")
+        row_buckets = tuple(Rule(int, low=1, high=1 << 20).check(
+            "diffusion_row_buckets", count, source) for count in row_buckets)
+        if list(row_buckets) != sorted(set(row_buckets)):
+            raise OptionError(f"{source}: option 'diffusion_row_buckets' must be increasing, "
+                              f"got {list(row_buckets)}")
     options = set(option_names(policy.config_cls))
     values = {**{k: v for k, v in (model_defaults or {}).items() if k in options}, **values}
     valid = set(ENGINE_KEYS) | options
@@ -161,7 +178,7 @@ def parse_engine_options(values: Mapping[str, Any], *, config_block_size: int | 
     policy_config = parse_options(policy.config_cls, values, source=source)
     policy_config.validate_for_block(block_size, source)
     return DiffusionEngineConfig(policy_name, block_size, mask_token_id, policy_config,
-                                 logits_memory_mib, edit_token_ids)
+                                 logits_memory_mib, edit_token_ids, row_buckets)
 
 
 def engine_config_from_vllm(vllm_config: Any) -> DiffusionEngineConfig:

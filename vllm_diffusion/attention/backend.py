@@ -153,6 +153,7 @@ class BlockDiffusionAttentionImpl(AttentionImpl[BlockDiffusionMetadata]):
             return output.zero_()
         rows = attn_metadata.rows
         n, n_kv = rows.num_queries, len(rows.slot_mapping)
+        output[n:].zero_()  # rows past the step's: bucket padding (``StepRun``)
         write_kv(kv_cache, key[:n_kv], value[:n_kv], rows.slot_mapping)
         on_cuda = query.device.type == "cuda"
         block_table, block_size = attn_metadata.block_table, attn_metadata.diffusion_block_size

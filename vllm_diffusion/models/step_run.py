@@ -23,7 +23,10 @@ order:
 ``head_dim`` and ``scaling`` (``attention_heads.init_block_diffusion_heads``) shape what
 the hooks see. The run narrows the step's current rows (``step.rows.StepRows``), which the
 attention reads; after the last layer ``run.rows`` holds the step rows of the output
-hidden states and ``run.layer_block_rows`` the block rows each layer computed.
+hidden states (the first ``len(run.rows)`` rows of them: with ``row_buckets`` the rows
+that continue after a drop are padded with zero rows up to a bucket, which the attention
+never reads or stores, ``StepRows`` holding the real rows only, and which the hooks never
+see) and ``run.layer_block_rows`` the block rows each layer computed.
 """
 
 from __future__ import annotations
@@ -40,8 +43,12 @@ class StepRun:
     """One forward of a diffusion step with hooks: the hooks in, its surviving rows out."""
 
     def __init__(self, hooks: StepHooks, block_rows: torch.Tensor, step_rows: StepRows,
-                 compiled: bool = False) -> None:
+                 compiled: bool = False, row_buckets: tuple[int, ...] | None = None) -> None:
         self.hooks = hooks
+        # Row counts the continuing rows are padded to after a drop (None: no padding);
+        # the padding rows follow the real ones, which ``rows`` lists
+        self.row_buckets = row_buckets
+        self.padding_rows = 0  # padding rows added, summed over the drops
         # Whether the layers between hook points run as compiled pieces (``layer_segments``)
         self.compiled = compiled
         self.declared = hooks.layers
@@ -57,10 +64,12 @@ class StepRun:
                          ) -> tuple[torch.Tensor, ...]:
         """q [T', H * D], k [T', H_kv * D]; returns (q, *carried) of the continuing rows."""
         declared, selection = self.declared, None
+        real = len(self.rows)  # rows beyond it are bucket padding
         if layer in declared.before_attention or layer in declared.select_keys:
             layer_input = LayerInput(
-                layer, self.rows, query=q.view(-1, attention.num_heads, attention.head_dim),
-                key=k.view(-1, attention.num_kv_heads, attention.head_dim),
+                layer, self.rows,
+                query=q[:real].view(-1, attention.num_heads, attention.head_dim),
+                key=k[:real].view(-1, attention.num_kv_heads, attention.head_dim),
                 scale=attention.scaling)
             if layer in declared.select_keys:
                 self.step_rows.key_selection = self.hooks.select_keys(layer_input)
@@ -69,7 +78,7 @@ class StepRun:
         if selection is not None:
             self.step_rows.keep_queries(selection.keep, selection.kv_lens or {})
             self._dropped_keys = selection.keep
-            q, *carried = self._keep(selection, q, *carried)
+            q, *carried = self._keep(selection, q[:real], *(self._real(t) for t in carried))
         self.layer_block_rows.append(self._block_count)
         return (q, *carried)
 
@@ -90,12 +99,28 @@ class StepRun:
     def after_output(self, layer: int, output: torch.Tensor, *carried: torch.Tensor
                      ) -> tuple[torch.Tensor, ...]:
         """output: [T', hidden] the layer's output in the residual stream."""
-        selection = self.hooks.after_output(LayerInput(layer, self.rows, hidden=output))
+        selection = self.hooks.after_output(LayerInput(layer, self.rows,
+                                                       hidden=self._real(output)))
         if selection is None:
             return carried
         self.step_rows.keep_queries(selection.keep, selection.kv_lens or {})
         self.step_rows.keep_keys(selection.keep)
-        return self._keep(selection, *carried)
+        return self._keep(selection, *(self._real(t) for t in carried))
+
+    def _real(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The real rows of a row tensor (without bucket padding)."""
+        rows = len(self.rows)
+        return tensor[..., :rows] if tensor.dim() == 1 else tensor[:rows]
+
+    def _padded(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A row tensor of the real rows, padded with zero rows up to its bucket."""
+        rows = len(self.rows)
+        bucket = next((b for b in self.row_buckets or () if b >= rows), rows)
+        if bucket == rows:
+            return tensor
+        if tensor.dim() == 1:
+            return torch.cat([tensor, tensor.new_zeros(bucket - rows)])
+        return torch.cat([tensor, tensor.new_zeros(bucket - rows, *tensor.shape[1:])])
 
     def _keep(self, selection: RowSelection, *tensors: torch.Tensor
               ) -> tuple[torch.Tensor, ...]:
@@ -112,5 +137,7 @@ class StepRun:
                 tensor, _ = kernel("compact_rows", tensor.device)(tensor, None, device_rows)
             else:
                 tensor = tensor[..., device_rows]
-            kept.append(tensor)
+            kept.append(self._padded(tensor))
+        if self.row_buckets is not None and kept:
+            self.padding_rows += len(kept[0]) - len(self.rows) if kept[0].dim() > 1 else 0
         return tuple(kept)

@@ -235,7 +235,8 @@ class DiffusionRunnerMixin:
                 if s.block_rows is not None:
                     block_rows[s.block_rows] = True
             run = StepRun(hooks, block_rows, step_rows,
-                          compiled=not self.model_config.enforce_eager)
+                          compiled=not self.model_config.enforce_eager,
+                          row_buckets=self.diffusion.row_buckets)
         with set_forward_context({name: metadata for name in layer_names},
                                  self.vllm_config, num_tokens=len(positions),
                                  slot_mapping={}, skip_compiled=run is not None):
@@ -246,6 +247,7 @@ class DiffusionRunnerMixin:
                                            positions=positions, stack_run=run)
         stats = self.diffusion_stats
         stats.positions_computed += len(positions)
+        stats.bucket_padding_rows += run.padding_rows if run is not None else 0
         counts = (run.layer_block_rows if run is not None else
                   [sum(len(s.block_rows) for s in step.requests if s.block_rows is not None)]
                   * self.num_layers)
