@@ -7,6 +7,11 @@ about 1% of step latency on GPUs with billion-parameter models; on this project'
 CPU models the model's own compute is small, so the share here is an upper bound of what larger models would see.
 
     python benchmarks/focus_overhead.py [--model DIR] [--block-size 32] [--batch-size 32]
+        [--compiled] [--rounds 3]
+
+``--compiled``: the engine at vLLM's default compilation (FOCUS's layers between its hook
+points run as compiled pieces); eager otherwise. With ``--rounds`` above 1 the generation
+is repeated and the report gives each round and the median share.
 """
 
 from __future__ import annotations
@@ -36,6 +41,8 @@ def main() -> None:
     parser.add_argument("--block-size", type=int, default=32)
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--max-tokens", type=int, default=96)
+    parser.add_argument("--compiled", action="store_true")
+    parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--out", default="results/focus_overhead.json")
     args = parser.parse_args()
 
@@ -58,25 +65,30 @@ def main() -> None:
                                       getattr(StepRows, name)))
     StepRun._keep = timed(totals, "row_compaction", StepRun._keep)
     model = str(args.model or default_model_path())
+    reports = []
     with diffusion_llm(model, diffusion_block_size=args.block_size, max_model_len=1024,
-                       max_num_seqs=args.batch_size,
+                       max_num_seqs=args.batch_size, enforce_eager=not args.compiled,
                        additional_config={"diffusion_policy": "focus"}) as llm:
         prompts = chat_prompts(llm.get_tokenizer(), mixed_eval_examples(args.batch_size))
         params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
         llm.generate(prompts[:2], params, use_tqdm=False)  # warm-up
-        totals.clear()
-        steps = llm.collective_rpc("diffusion_stats")[0]["engine_steps"]
-        start = time.perf_counter()
-        llm.generate(prompts, params, use_tqdm=False)
-        wall = time.perf_counter() - start
-        steps = llm.collective_rpc("diffusion_stats")[0]["engine_steps"] - steps
-    focus_total = sum(totals.values())
+        for _ in range(args.rounds):
+            totals.clear()
+            steps = llm.collective_rpc("diffusion_stats")[0]["engine_steps"]
+            start = time.perf_counter()
+            llm.generate(prompts, params, use_tqdm=False)
+            wall = time.perf_counter() - start
+            steps = llm.collective_rpc("diffusion_stats")[0]["engine_steps"] - steps
+            focus_total = sum(totals.values())
+            reports.append({"engine_steps": steps, "wall_time_s": round(wall, 3),
+                            "seconds": {k: round(v, 4) for k, v in totals.items()},
+                            "focus_share_of_wall_time": focus_total / wall,
+                            "focus_ms_per_step": 1000 * focus_total / max(steps, 1),
+                            "step_ms": 1000 * wall / max(steps, 1)})
+    shares = sorted(r["focus_share_of_wall_time"] for r in reports)
     report = {"model": model, "block_size": args.block_size, "batch_size": args.batch_size,
-              "engine_steps": steps, "wall_time_s": round(wall, 3),
-              "seconds": {k: round(v, 4) for k, v in totals.items()},
-              "focus_share_of_wall_time": focus_total / wall,
-              "focus_ms_per_step": 1000 * focus_total / max(steps, 1),
-              "step_ms": 1000 * wall / max(steps, 1)}
+              "compiled": args.compiled, "rounds": reports,
+              "median_focus_share_of_wall_time": shares[len(shares) // 2]}
     out = pathlib.Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2) + "\n")

@@ -3,7 +3,9 @@ hand-built inputs."""
 
 from __future__ import annotations
 
+import pytest
 import torch
+from selection_cases import GRID
 
 from vllm_diffusion.kernels.selection import select_retained, token_budget
 from vllm_diffusion.policies.block_cache import IntraBlockCache
@@ -116,3 +118,35 @@ def test_intra_block_cache_freezes_a_token_once_it_and_its_right_neighbour_are_d
     assert cache.processing_set().tolist() == [F, T, T, F]
     cache.update(masked_before_step=bools(F, F, F, F))
     assert cache.processing_set().tolist() == [T, T, T, T]  # all frozen: recompute all
+
+
+@pytest.mark.parametrize("name", GRID)
+def test_vectorised_selection_equals_the_reference(name):
+    """The torch path (no per-request loop) against the per-request reference."""
+    from selection_cases import make_case
+
+    from vllm_diffusion.kernels.selection import (batched_select_retained,
+                                                  vectorised_select_retained)
+
+    args = make_case(*GRID[name], device="cpu")
+    assert torch.equal(vectorised_select_retained(*args), batched_select_retained(*args))
+
+
+@pytest.mark.parametrize("name", GRID)
+def test_batched_budget_equals_the_per_block_budget(name):
+    """K per block as ``token_budget`` gives it (the block size where it would keep every
+    candidate or there is none), NaN deltas included."""
+    from selection_cases import make_case
+
+    from vllm_diffusion.kernels.selection import batched_token_budget, wanted_by_rate
+
+    delta, candidates, _, _, _, _ = make_case(*GRID[name], device="cpu")
+    delta[2, 0] = float("nan")
+    block = delta.shape[1]
+    rates = [(0.5 + i % 4) * (i % 3) for i in range(len(delta))]
+    by_rate = torch.tensor([wanted_by_rate(r, block) for r in rates])
+    got = batched_token_budget(delta, candidates, by_rate, block)
+    for row, (d, c) in enumerate(zip(delta, candidates)):
+        count = int(c.sum())
+        want = token_budget(d[c], rates[row], 1.0, block) if count else block
+        assert int(got[row]) == (want if want < count else block), row

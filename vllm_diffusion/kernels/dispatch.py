@@ -41,7 +41,7 @@ KERNELS: dict[str, KernelOp] = {
                                      "importance:batched_candidate_importance",
                                      "triton_importance:batched_candidate_importance"),
     "select_retained": KernelOp("selection:batched_select_retained",
-                                "selection:batched_select_retained",
+                                "selection:vectorised_select_retained",
                                 "triton_selection:batched_select_retained"),
     "compact_rows": KernelOp("compaction:compact_rows", "compaction:compact_rows",
                              "triton_compaction:compact_rows"),

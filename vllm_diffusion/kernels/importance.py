@@ -41,32 +41,37 @@ def batched_candidate_importance(query: torch.Tensor, key: torch.Tensor,
     present = [i for i, r in enumerate(rows) if r is not None and r.numel() > 0]
     if not present:
         return [None] * len(rows)
-    counts = torch.tensor([rows[i].numel() for i in present], device=query.device)
-    width = int(counts.max())
-    valid = torch.arange(width, device=query.device)[None, :] < counts[:, None]  # [P, n]
-    index = torch.zeros(len(present), width, dtype=torch.long, device=query.device)
-    for j, i in enumerate(present):
-        index[j, :rows[i].numel()] = rows[i]
-    group = query.shape[1] // key.shape[1]
-    q = query[index].float()  # [P, n, H, D]
-    k = key[index].float().repeat_interleave(group, dim=2)  # [P, n, H, D]
-    scores = torch.einsum("pahd,pbhd->phab", q, k) * scale  # [P, H, n, n]
-    scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
-    kernels = torch.tensor([pool_kernels[i] for i in present])
-    for kernel in kernels.unique().tolist():
+    sizes = [rows[i].numel() for i in present]
+    width, device = max(sizes), query.device
+    valid = (torch.arange(width, device=device)[None, :]
+             < torch.tensor(sizes, device=device)[:, None])  # [P, n]
+    index = torch.zeros(len(present), width, dtype=torch.long, device=device)
+    index[valid] = torch.cat([rows[i] for i in present]).to(device)
+    heads, kv_heads = query.shape[1], key.shape[1]
+    # GQA without repeating keys: query head h = kv head h // group
+    q = query[index].float().view(len(present), width, kv_heads, heads // kv_heads, -1)
+    scores = torch.einsum("pahgd,pbhd->phgab", q, key[index].float()).reshape(
+        len(present), heads, width, width) * scale  # [P, H, n, n]
+    invalid = ~valid[:, None, None, :]
+    scores = scores.masked_fill(invalid, float("-inf"))
+    kernels = [pool_kernels[i] for i in present]
+    for kernel in sorted(set(kernels)):
         if kernel <= 1:
             continue
-        chosen = torch.nonzero(kernels == kernel).flatten().to(query.device)
-        part = scores[chosen]
-        scores[chosen] = F.max_pool1d(part.reshape(-1, 1, width), kernel, stride=1,
-                                      padding=kernel // 2).reshape(part.shape)
+        pooled = F.max_pool1d(scores.reshape(-1, 1, width), kernel, stride=1,
+                              padding=kernel // 2).reshape(scores.shape)
+        if len(set(kernels)) == 1:
+            scores = pooled
+        else:
+            chosen = torch.tensor([k == kernel for k in kernels], device=device)
+            scores = torch.where(chosen[:, None, None, None], pooled, scores)
     # Pooling spreads scores into padded columns: mask them again before the softmax.
-    scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
+    scores = scores.masked_fill(invalid, float("-inf"))
     weights = scores.softmax(dim=-1) * valid[:, None, :, None]  # padded queries count 0
-    importance = weights.sum(dim=(1, 2))  # [P, n]
+    importance = weights.sum(dim=(1, 2))[valid].split(sizes)  # [n_r] per request
     out: list[torch.Tensor | None] = [None] * len(rows)
     for j, i in enumerate(present):
-        out[i] = importance[j, :rows[i].numel()]
+        out[i] = importance[j]
     return out
 
 

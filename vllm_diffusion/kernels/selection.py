@@ -29,6 +29,11 @@ import torch
 CONTEXT_RULES = ("retained_left", "selected_left")
 
 
+def wanted_by_rate(wanted: float, block_size: int) -> int:
+    """ceil(alpha * mean_decoded), the whole block where it is not finite or larger."""
+    return math.ceil(wanted) if math.isfinite(wanted) and wanted < block_size else block_size
+
+
 def token_budget(delta: torch.Tensor, mean_decoded: float, alpha: float,
                  block_size: int) -> int:
     """delta: [n] importance deltas of the candidates (n >= 1). Always in [1, block_size],
@@ -36,9 +41,24 @@ def token_budget(delta: torch.Tensor, mean_decoded: float, alpha: float,
     whole block)."""
     threshold = delta.mean() + delta.std(unbiased=False)
     n_sigma = int((delta >= threshold).sum())
-    wanted = alpha * mean_decoded
-    by_rate = math.ceil(wanted) if math.isfinite(wanted) and wanted < block_size else block_size
+    by_rate = wanted_by_rate(alpha * mean_decoded, block_size)
     return max(1, min(block_size, max(by_rate, n_sigma)))
+
+
+def batched_token_budget(delta: torch.Tensor, candidates: torch.Tensor,
+                         by_rate: torch.Tensor, block_size: int) -> torch.Tensor:
+    """``token_budget`` of R blocks at once, where it evicts: [R] int64, the budget K of a
+    block with candidates whose K is below their number, the block size otherwise (keeps
+    every candidate). delta, candidates: [R, B]; by_rate: [R] (``wanted_by_rate``)."""
+    count = candidates.sum(dim=1)
+    values = torch.where(candidates, delta.float(), torch.zeros_like(delta, dtype=torch.float32))
+    mean = values.sum(dim=1) / count.clamp(min=1)
+    spread = torch.where(candidates, values - mean[:, None], torch.zeros_like(values))
+    threshold = mean + (spread.square().sum(dim=1) / count.clamp(min=1)).sqrt()
+    n_sigma = ((values >= threshold[:, None]) & candidates).sum(dim=1)
+    budget = torch.maximum(by_rate.long(), n_sigma).clamp(1, block_size)
+    return torch.where((count > 0) & (budget < count), budget,
+                       torch.full_like(budget, block_size))
 
 
 def select_retained(delta: torch.Tensor, candidates: torch.Tensor, budget: int,
@@ -94,3 +114,36 @@ def batched_select_retained(delta: torch.Tensor, candidates: torch.Tensor,
         select_retained(d, c, int(k), p, e, "selected_left" if bool(s) else "retained_left")
         for d, c, k, p, e, s in zip(delta, candidates, budgets, processing, ever_processed,
                                     selected_left)])
+
+
+def vectorised_select_retained(delta: torch.Tensor, candidates: torch.Tensor,
+                               budgets: torch.Tensor, processing: torch.Tensor,
+                               ever_processed: torch.Tensor,
+                               selected_left: torch.Tensor) -> torch.Tensor:
+    """``batched_select_retained`` as tensor operations over all R requests at once (the
+    torch path: no per-request loop)."""
+    requests, size = candidates.shape
+    device = candidates.device
+    recompute = processing & ~candidates  # decoded positions needing recomputation
+    scores = torch.where(candidates, delta.float(), torch.full_like(delta, float("-inf"),
+                                                                    dtype=torch.float32))
+    order = torch.sort(scores, dim=1, descending=True, stable=True).indices
+    positions = torch.arange(size, device=device)
+    rank = torch.empty_like(order).scatter_(1, order, positions.expand(requests, size)
+                                            .contiguous())
+    wanted = torch.minimum(budgets.to(device).long(), candidates.sum(dim=1))
+    top = rank < wanted[:, None]  # the first K of the order, as the reference takes them
+    retained = recompute | top
+    left_of_retained = torch.zeros_like(retained)
+    left_of_retained[:, :-1] = retained[:, 1:]
+    left_of_top = torch.zeros_like(top)
+    left_of_top[:, :-1] = top[:, 1:]
+    retained = torch.where(selected_left.to(device).bool()[:, None],
+                           retained | (left_of_top & candidates),
+                           retained | (left_of_retained & processing))
+    rightmost = torch.where(retained, positions, torch.full_like(positions, -1)).max(dim=1)
+    retained |= candidates & ~ever_processed & (positions[None, :] < rightmost.values[:, None])
+    retained = torch.where(retained.any(dim=1, keepdim=True), retained, processing)
+    # without candidates: the recomputed positions, or the whole processing set
+    plain = torch.where(recompute.any(dim=1, keepdim=True), recompute, processing)
+    return torch.where(candidates.any(dim=1, keepdim=True), retained, plain)

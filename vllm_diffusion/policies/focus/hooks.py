@@ -19,6 +19,7 @@ import torch
 
 from vllm_diffusion.attention.importance import step_candidate_importance
 from vllm_diffusion.kernels.dispatch import kernel
+from vllm_diffusion.kernels.selection import batched_token_budget, wanted_by_rate
 from vllm_diffusion.step.hooks import (ForwardStep, LayerHooks, LayerInput, RowSelection,
                                        StepHooks, StepRequest)
 
@@ -50,6 +51,12 @@ class FocusStepHooks(StepHooks):
             self.blocks.append(EvictingBlock(index, s, processing, processing & masked,
                                              s.masked_rows(mask_token_id)))
         self.importance: dict[int, list[torch.Tensor | None]] = {}
+        self.block_size = self.blocks[0].processing.shape[0] if self.blocks else 0
+        # [n] the block of each evicting block row, in block order
+        self.block_of_rows = torch.repeat_interleave(
+            torch.arange(len(self.blocks)),
+            torch.tensor([len(b.step_request.block_rows) for b in self.blocks],
+                         dtype=torch.long))
 
     def before_attention(self, layer_input: LayerInput) -> RowSelection | None:
         rows = [layer_input.current_rows(b.candidate_rows).to(self.device) for b in self.blocks]
@@ -61,43 +68,41 @@ class FocusStepHooks(StepHooks):
         return self._select(layer_input)
 
     def _select(self, layer_input: LayerInput) -> RowSelection | None:
+        """Budgets and retained sets of every evicting block at once: tensor operations
+        over the step's blocks, one host copy (the retained sets)."""
+        blocks = self.blocks
+        if not blocks:
+            return None
         first, second = (self.importance[self.eviction_layer - 1],
                          self.importance[self.eviction_layer])
-        # Every block's candidate deltas in one host copy.
-        present = [i for i, after in enumerate(second) if after is not None]
-        host = (torch.cat([second[i] - first[i] for i in present]).float().cpu().split(
-            [len(second[i]) for i in present]) if present else [])
-        host_delta = dict(zip(present, host))
-        evicting, deltas, budgets = [], [], []
-        for index, block in enumerate(self.blocks):
-            state = block.step_request.request.policy_state
-            config = block.step_request.request.policy_config
-            delta = torch.zeros(block.processing.shape[0])
-            if index in host_delta:
-                delta[block.candidates] = host_delta[index]
-            budget = state.budget(delta, block.candidates, config)
-            if budget is not None:
-                evicting.append(block)
-                deltas.append(delta)
-                budgets.append(budget)
-        if not evicting:
-            return None
         device = self.device
+        candidates = torch.stack([b.candidates for b in blocks]).to(device)  # [P, B]
+        processing = torch.stack([b.processing for b in blocks]).to(device)
+        delta = torch.zeros(candidates.shape, device=device)
+        present = [i for i, after in enumerate(second) if after is not None]
+        if present:  # candidates in block order, ascending positions: the masked order
+            delta[candidates] = torch.cat([second[i] - first[i] for i in present]).float()
+        states = [b.step_request.request.policy_state for b in blocks]
+        configs = [b.step_request.request.policy_config for b in blocks]
+        by_rate = torch.tensor([wanted_by_rate(c.alpha * s.mean_decoded, self.block_size)
+                                for s, c in zip(states, configs)], device=device)
+        budgets = batched_token_budget(delta, candidates, by_rate, self.block_size)
         retained = kernel("select_retained", device)(
-            torch.stack(deltas).to(device),
-            torch.stack([b.candidates for b in evicting]).to(device),
-            torch.tensor(budgets, device=device),
-            torch.stack([b.processing for b in evicting]).to(device),
-            torch.stack([b.step_request.request.policy_state.ever_processed
-                         for b in evicting]).to(device),
-            torch.tensor([b.step_request.request.policy_config.context_rule == "selected_left"
-                          for b in evicting], device=device)).cpu()
+            delta, candidates, budgets, processing,
+            torch.stack([s.ever_processed for s in states]).to(device),
+            torch.tensor([c.context_rule == "selected_left" for c in configs],
+                         device=device)).cpu()
+        processing = processing.cpu()
+        changed = (retained != processing).any(dim=1)
+        if not bool(changed.any()):
+            return None
         keep = torch.ones(len(layer_input.rows), dtype=torch.bool)
-        kv_lens = {}
-        for block, kept in zip(evicting, retained):
-            s = block.step_request
-            keep[layer_input.current_rows(s.block_rows)] = kept[s.block_positions]
-            if not torch.equal(kept, block.processing):
-                rightmost = int(torch.nonzero(kept).max())
-                kv_lens[block.index] = s.request.canvas.start + rightmost + 1
+        block_rows = torch.cat([b.step_request.block_rows for b in blocks])
+        keep[layer_input.current_rows(block_rows)] = retained[
+            self.block_of_rows, torch.cat([b.step_request.block_positions for b in blocks])]
+        positions = torch.arange(retained.shape[1])
+        rightmost = torch.where(retained, positions, -1).max(dim=1).values
+        kv_lens = {blocks[i].index: blocks[i].step_request.request.canvas.start + end + 1
+                   for i, end in zip(torch.nonzero(changed).flatten().tolist(),
+                                     rightmost[changed].tolist())}
         return RowSelection(keep, kv_lens)

@@ -30,7 +30,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from vllm_diffusion.kernels.selection import CONTEXT_RULES, token_budget
+from vllm_diffusion.kernels.selection import CONTEXT_RULES
 from vllm_diffusion.options import OptionError, Rule, option
 from vllm_diffusion.policies.block_cache import IntraBlockCache
 from vllm_diffusion.policies.focus.hooks import FocusStepHooks
@@ -98,14 +98,6 @@ class FocusRequestState:
     def mean_decoded(self) -> float:
         """Running mean of tokens decoded per step (1 before the first step)."""
         return self.decoded_tokens / self.decoded_steps if self.decoded_steps else 1.0
-
-    def budget(self, delta: torch.Tensor, candidates: torch.Tensor,
-               config: FocusConfig) -> int | None:
-        """K for this step, or None when nothing is evicted. delta: [B] (read at candidates)."""
-        if not config.evict or not bool(candidates.any()):
-            return None
-        budget = token_budget(delta[candidates], self.mean_decoded, config.alpha, self.block_size)
-        return budget if budget < int(candidates.sum()) else None
 
     def after_step(self, masked_before: torch.Tensor, computed: torch.Tensor,
                    num_decoded: int, config: FocusConfig) -> None:
