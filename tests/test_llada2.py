@@ -201,6 +201,30 @@ def test_token_editing_equals_the_reference(llada2_checkpoint, case):
     assert [list(o.outputs[0].token_ids) for o in outputs] != plain
 
 
+def test_a_stable_end_commits_with_the_last_forwards_kv(llada2_checkpoint):
+    """A block ending on a post step that changed nothing is committed without being
+    recomputed (that forward computed it whole with its final tokens); the outputs still
+    equal the reference loop's."""
+    from reference_llada2 import reference_generate_editing
+
+    mask_id, stops, vocab_size = token_info(llada2_checkpoint)
+    prompts = make_prompts(8, vocab_size, stops | {mask_id}, seed=70)
+    options = {"strategy": "threshold", "threshold": 0.7, "editing_threshold": 0.95,
+               "max_post_steps": 4}
+    params = SamplingParams(temperature=0, max_tokens=19, ignore_eos=True, extra_args=options)
+    with diffusion_llm(llada2_checkpoint, diffusion_block_size=8) as llm:
+        before = llm.collective_rpc("diffusion_stats")[0]
+        outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params,
+                               use_tqdm=False)
+        stats = stats_delta(before, llm.collective_rpc("diffusion_stats")[0])
+    assert stats["commits_reused"] > 0, stats
+    reference = ReferenceLLaDA2(llada2_checkpoint)
+    for prompt, output in zip(prompts, outputs):
+        tokens, _ = reference_generate_editing(reference, prompt, block_size=8,
+                                               mask_id=mask_id, max_tokens=19, **options)
+        assert list(output.outputs[0].token_ids) == tokens
+
+
 def test_edited_tokens_are_emitted_only_when_their_block_ends(llada2_checkpoint):
     block_size = 8
     mask_id, stops, vocab_size = token_info(llada2_checkpoint)

@@ -126,6 +126,7 @@ JOINT_CASES = {
     "editing-off": (8, {"editing_threshold": None, "max_post_steps": 16}, 8, True),
     "edit-0.5-post4": (8, {"editing_threshold": 0.5, "max_post_steps": 4}, 8, True),
     "edit-0.3-post0": (8, {"editing_threshold": 0.3, "max_post_steps": 0}, 8, True),
+    "edit-0.9-stable-ends": (8, {"editing_threshold": 0.9, "max_post_steps": 4}, 8, True),
     "published-defaults": (8, {}, 8, True),
     "b16-two-routing-blocks": (16, {"editing_threshold": 0.5, "max_post_steps": 2}, 8, True),
     "chunked-prefill": (8, {"editing_threshold": 0.5, "max_post_steps": 4}, 2, True),
@@ -149,6 +150,8 @@ def test_joint_decoding_equals_the_reference(checkpoint, case):
                         step_maps=True)
     assert exact >= len(prompts) // 2, "too few cases compared exactly"
     assert stats["tokens_deleted"] + stats["tokens_split"] > 0, stats
+    if options.get("editing_threshold") == 0.9:  # blocks that end stably are committed
+        assert stats["commits_reused"] > 0, stats  # with their last forward's KV
     if options.get("max_steps_per_block"):
         assert stats["denoising_steps"] <= stats["blocks_completed"] * 6, stats
 

@@ -35,6 +35,9 @@ class BlockCanvas:
     logprobs: torch.Tensor | None = None
     # LLaDA2.2's joint-decoding state of the block (``policies.joint_editing``), or None
     joint: Any = None
+    # The block ended on a step that computed all of it and changed nothing (a stable
+    # end of token editing): that forward's KV is the committed KV, its commit reuses it
+    final_kv: bool = False
 
     def __post_init__(self) -> None:
         if self.decoded_at is None:

@@ -74,6 +74,7 @@ class DiffusionStats:
     tokens_deleted: int = 0  # DELETE writes (LLaDA2.2 editing)
     tokens_split: int = 0  # SPLIT writes (LLaDA2.2 editing)
     bucket_padding_rows: int = 0  # rows added by 'diffusion_row_buckets' after drops
+    commits_reused: int = 0  # blocks committed with their last forward's KV (stable end)
     grammar_fills: int = 0  # structured output: matcher bitmask fills
     grammar_accepts: int = 0  # structured output: tokens advanced through a matcher
 

@@ -247,6 +247,7 @@ class DiffusionRunnerMixin:
                                            positions=positions, stack_run=run)
         stats = self.diffusion_stats
         stats.positions_computed += len(positions)
+        stats.commits_reused += sum(r.reused_commit for r in rows)
         stats.bucket_padding_rows += run.padding_rows if run is not None else 0
         counts = (run.layer_block_rows if run is not None else
                   [sum(len(s.block_rows) for s in step.requests if s.block_rows is not None)]
@@ -417,12 +418,13 @@ class DiffusionRunnerMixin:
                 continue
             try:
                 request, canvas = block.rows.request, block.rows.canvas
-                masked = canvas.masked(mask_id)
-                step = self.policy.rewrite_block(request, canvas.tokens, proposals[i],
-                                                 confidence[i], ranked[i])
+                masked, old = canvas.masked(mask_id), canvas.tokens
+                step = self.policy.rewrite_block(request, old, proposals[i], confidence[i],
+                                                 ranked[i])
                 canvas.commit(step.changed, step.tokens_written,
                               began_unmasked=not bool(masked.any()))
                 canvas.rearrange(step.source, step.tokens)
+                canvas.final_kv = step.ended and torch.equal(step.tokens, old)
                 stats.tokens_deleted += step.deletions
                 stats.tokens_split += step.splits
                 emitted[req_id] = self._finish_step(
@@ -448,6 +450,8 @@ class DiffusionRunnerMixin:
         block_done = (decisions.no_mask_left[i]
                       and self.policy.block_ends(request, decisions.num_edited[i] > 0,
                                                  decisions.began_unmasked[i]))
+        canvas.final_kv = (block_done and not bool(changed.any())
+                           and bool(decisions.computed[i].all()))
         return self._finish_step(block, state, block_done, decisions.masked[i],
                                  decisions.computed[i], num_decoded, decisions.num_edited[i],
                                  decisions.token_lists[i])

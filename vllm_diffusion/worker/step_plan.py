@@ -51,6 +51,7 @@ class RequestRows:
     request: DiffusionRequest | None  # None: prefill-only rows, no logits
     # [n] block-relative positions computed this step (the request's last n rows)
     block_positions: torch.Tensor | None = None
+    reused_commit: bool = False  # the block it commits keeps its last forward's KV
 
     @property
     def canvas(self) -> BlockCanvas | None:
@@ -67,7 +68,8 @@ def plan_request(req_id: str, token_ids: KnownTokens | list[int], num_computed: 
     preemption freed: ``resumed``, or a committed prefix to recompute) and asks it for the
     step's plan: the block positions to compute, how far keys reach, and, when the step
     commits exactly the block the request just completed, which of its positions to
-    recompute (the others keep their cached KV).
+    recompute (the others keep their cached KV). A block whose last step computed it whole
+    and changed nothing (``BlockCanvas.final_kv``) is committed with no recomputation.
     """
     geometry.check_committed(req_id, num_computed)
     num_tokens = len(token_ids)
@@ -89,8 +91,12 @@ def plan_request(req_id: str, token_ids: KnownTokens | list[int], num_computed: 
     plan = policy.plan_step(request)
     commit = list(range(num_computed, block_start))
     commit_tokens = token_ids[num_computed:block_start]
-    if (plan.commit_recompute is not None and len(commit) == block_size
-            and previous is not None and previous.start == num_computed):
+    commits_previous = (len(commit) == block_size and previous is not None
+                        and previous.start == num_computed)
+    reused = commits_previous and previous.final_kv and not resumed
+    if reused:
+        commit, commit_tokens = [], []  # its last forward wrote the final KV
+    elif plan.commit_recompute is not None and commits_previous:
         kept = plan.commit_recompute.tolist()
         commit = [p for p, k in zip(commit, kept) if k]
         commit_tokens = [t for t, k in zip(commit_tokens, kept) if k]
@@ -99,12 +105,12 @@ def plan_request(req_id: str, token_ids: KnownTokens | list[int], num_computed: 
         return RequestRows(
             req_id, commit + list(range(block_start, block_start + block_size)),
             commit_tokens + canvas.tokens.tolist(), kv_len, committed, request,
-            _whole_block(block_size))
+            _whole_block(block_size), reused)
     computed = torch.nonzero(plan.compute).flatten()
     return RequestRows(
         req_id, commit + (computed + block_start).tolist(),
         commit_tokens + canvas.tokens[computed].tolist(), kv_len, committed, request,
-        computed)
+        computed, reused)
 
 
 @functools.lru_cache(maxsize=8)
