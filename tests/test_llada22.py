@@ -198,6 +198,23 @@ def test_focus_with_its_full_budget_equals_the_reference(checkpoint):
 
 
 @pytest.mark.engine
+def test_preempted_requests_decode_as_with_room_and_aborts_free_kv(checkpoint):
+    """A preempted request keeps its block's joint state (original masks, post count, the
+    states seen) and recomputes its KV: it decodes as in an engine with room. A request
+    aborted mid-block leaves no KV held."""
+    from conftest import assert_abort_mid_block_frees_kv, outputs_with_and_without_room
+
+    prompts = [TokensPrompt(prompt_token_ids=p)
+               for p in joint_prompts(model_info(checkpoint)[0], count=8, seed=40)]
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True,
+                            extra_args={"editing_threshold": 0.5, "max_post_steps": 4})
+    outputs, _ = outputs_with_and_without_room(checkpoint, prompts, params)
+    assert outputs[True] == outputs[False]
+    with diffusion_llm(checkpoint, diffusion_block_size=8) as llm:
+        assert_abort_mid_block_frees_kv(llm, params)
+
+
+@pytest.mark.engine
 def test_the_edit_ids_at_the_published_vocabulary(tmp_path):
     """DELETE and SPLIT at the real checkpoints' ids (156930, 156931) in a vocabulary of
     the published size."""
