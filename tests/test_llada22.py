@@ -31,16 +31,19 @@ ROUTING_GRID = {
     "same-blocks-two-requests": (8, 3, 1, 8, [(8, 8), (8, 8)]),
     "capacity-equals-experts": (8, 8, 2, 8, [(16, 16), (0, 8)]),
     "capacity-equals-top-k": (32, 8, 8, 16, [(0, 32), (48, 16), (16, 16)]),
+    "ties-go-to-the-lower-id": (16, 5, 2, 8, [(0, 16), (8, 8)]),
 }
 
 
-@pytest.mark.parametrize("case", ROUTING_GRID.values(), ids=ROUTING_GRID.keys())
-def test_block_routing_equals_the_reference(case):
-    experts, capacity, top_k, block, layout = case
+@pytest.mark.parametrize("name", ROUTING_GRID)
+def test_block_routing_equals_the_reference(name):
+    experts, capacity, top_k, block, layout = ROUTING_GRID[name]
     gen = torch.Generator().manual_seed(experts + capacity)
     positions = torch.cat([torch.arange(first, first + count) for first, count in layout])
     logits = torch.randn(len(positions), experts, generator=gen) * 3
     bias = torch.randn(experts, generator=gen) * 0.1
+    if name.startswith("ties"):  # three distinct scores: block and token scores tie
+        logits, bias = torch.randint(-1, 2, logits.shape, generator=gen).float(), bias * 0
     got_w, got_ids = block_route(logits, positions, bias, top_k, capacity, block, 2.5)
     want_w, want_ids = reference_block_route(logits, positions, bias, top_k, capacity, block,
                                              2.5)

@@ -155,15 +155,14 @@ def block_pool_logits(gating_output: torch.Tensor, blocks: torch.Tensor,
     """LLaDA2.2's block routing, its pool: the router logits [T, E] (fp32) with -inf for
     every expert outside the pool of the token's routing block (``blocks`` [T], from
     ``routing_blocks``): the ``capacity`` experts with the largest block score, the
-    maximum over the block's tokens of sigmoid score plus ``expert_bias``. Ties between
-    block scores fall to ``topk``'s order (the published code's too; measure-zero on real
-    scores)."""
+    maximum over the block's tokens of sigmoid score plus ``expert_bias``. Ties go to the
+    lower expert id (as the ports)."""
     logits = gating_output.float()
     biased = torch.sigmoid(logits) + expert_bias.float()  # [T, E]
     tokens, experts = biased.shape
     block_score = torch.full_like(biased, float("-inf")).scatter_reduce(
         0, blocks[:, None].expand(tokens, experts), biased, "amax")  # [T (blocks), E]
-    pool = block_score.topk(capacity, dim=-1).indices
+    pool = torch.sort(block_score, dim=-1, descending=True, stable=True).indices[:, :capacity]
     in_pool = torch.zeros_like(biased, dtype=torch.bool).scatter_(1, pool, True)
     return logits.masked_fill(~in_pool[blocks], float("-inf"))
 
@@ -172,13 +171,15 @@ def route_in_pool(hidden_states: torch.Tensor, gating_output: torch.Tensor, topk
                   renormalize: bool, *, expert_bias: torch.Tensor, scaling: float
                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """LLaDA2.2's block routing, per token: its top-k by biased score among the experts
-    its pool allows (finite logits, ``block_pool_logits``), weighted by their unbiased
-    sigmoid scores renormalised when k > 1, times ``routed_scaling_factor``."""
+    its pool allows (finite logits, ``block_pool_logits``; ties: the lower id), weighted
+    by their unbiased sigmoid scores renormalised when k > 1, times
+    ``routed_scaling_factor``."""
     logits = gating_output.float()
     scores = torch.sigmoid(logits)  # 0 outside the pool
     biased = (scores + expert_bias.float()).masked_fill(logits == float("-inf"),
                                                          float("-inf"))
-    return chosen_weights(scores, biased.topk(topk, dim=-1).indices, scaling)
+    ids = torch.sort(biased, dim=-1, descending=True, stable=True).indices[:, :topk]
+    return chosen_weights(scores, ids, scaling)
 
 
 def block_route(gating_output: torch.Tensor, positions: torch.Tensor,
