@@ -164,13 +164,14 @@ def test_sigterm_with_streams_in_flight_ends_every_stream(dense_checkpoint, tmp_
     server exits, instead of waiting for clients to give up."""
     with vllm_server_process(dense_checkpoint, "--diffusion-policy", "focus",
                              "--enforce-eager", "--max-model-len", "2048",
+                             "--max-num-seqs", "8",
                              "--additional-config", json.dumps({"diffusion_block_size": 16}),
                              log_path=tmp_path / "serve.log") as (url, process):
         server = {"url": url, "model": str(dense_checkpoint)}
         started = threading.Barrier(9, timeout=60)
 
         def stream(i: int) -> float:
-            body = chat_body(server, max_tokens=400, stream=True,
+            body = chat_body(server, max_tokens=1900, stream=True,
                              vllm_xargs={"strategy": "sequential"})
             body["messages"][0]["content"] += f" {i}"
             first = True
@@ -184,17 +185,18 @@ def test_sigterm_with_streams_in_flight_ends_every_stream(dense_checkpoint, tmp_
             return time.monotonic()
 
         def plain(i: int) -> requests.Response:
-            # Long enough (one token per step) that no plain request can finish
-            # before the signal, however fast the machine.
+            # The 8 streams hold every slot (--max-num-seqs 8) for 1,900 one-token
+            # steps: the plain requests wait in the queue, unfinished at the signal
+            # however fast the machine.
             body = chat_body(server, max_tokens=1900, vllm_xargs={"strategy": "sequential"})
             body["messages"][0]["content"] += f" plain {i}"
             return requests.post(f"{url}/v1/chat/completions", json=body, timeout=(10, 30))
 
         with concurrent.futures.ThreadPoolExecutor(12) as pool:
             futures = [pool.submit(stream, i) for i in range(8)]
+            started.wait()  # every stream holds a slot
             plains = [pool.submit(plain, i) for i in range(3)]
-            started.wait()
-            time.sleep(0.5)  # the plain requests are in the engine too
+            time.sleep(0.5)  # the plain requests are in the engine's queue too
             signalled = time.monotonic()
             process.send_signal(signal.SIGTERM)
             ended = [f.result() - signalled for f in futures]
