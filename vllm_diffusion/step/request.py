@@ -79,6 +79,28 @@ ConfigT = TypeVar("ConfigT")
 StateT = TypeVar("StateT")
 
 
+@dataclasses.dataclass(frozen=True)
+class OutputBounds:
+    """Where a request's output can end: its stop tokens (EOS unless ``ignore_eos``, and
+    ``stop_token_ids``) and the absolute position one past its last allowed token (prompt
+    length + ``max_tokens``). Tokens committed past either are decoded but never output."""
+
+    stop_token_ids: frozenset[int] = frozenset()
+    end: int | None = None
+
+    def output_mask(self, start: int, tokens: torch.Tensor) -> torch.Tensor:
+        """[B] bool: the positions of the block at absolute ``start`` (``tokens``: [B]) that
+        can become output: before ``end`` and not after the block's first stop token. (A
+        stop token before ``min_tokens`` counts as a stop: an estimate for policies that
+        learn a rate, not the output itself.)"""
+        limit = len(tokens) if self.end is None else max(self.end - start, 0)
+        if self.stop_token_ids:
+            stops = torch.isin(tokens, torch.tensor(sorted(self.stop_token_ids)))
+            if bool(stops.any()):
+                limit = min(limit, int(stops.to(torch.int8).argmax()) + 1)
+        return torch.arange(len(tokens)) < limit
+
+
 @dataclasses.dataclass(eq=False)  # one object per request: compared by identity
 class DiffusionRequest(Generic[ConfigT, StateT]):
     req_id: str
@@ -91,6 +113,7 @@ class DiffusionRequest(Generic[ConfigT, StateT]):
     # the request's structured-output matcher (vLLM's ``StructuredOutputGrammar``), its
     # state the emitted output (``worker/grammar.py``); None without structured output
     grammar: Any = None
+    bounds: OutputBounds = OutputBounds()
 
     def block_for(self, block_start: int, fixed: list[int], block_size: int,
                   mask_token_id: int) -> BlockCanvas:

@@ -78,6 +78,13 @@ class DiffusionStats:
     grammar_fills: int = 0  # structured output: matcher bitmask fills
     grammar_accepts: int = 0  # structured output: tokens advanced through a matcher
 
+    def add_layer_rows(self, counts: list[int]) -> None:
+        """Add a step's block rows per layer (``counts[l]``: rows layer l computed)."""
+        per_layer = self.block_positions_per_layer
+        per_layer.extend([0] * (len(counts) - len(per_layer)))
+        for layer, count in enumerate(counts):
+            per_layer[layer] += count
+
 
 @dataclasses.dataclass
 class EmittedTokens:

@@ -26,7 +26,7 @@ from vllm_diffusion.models.step_run import StepRun
 from vllm_diffusion.policies.joint_editing import ALTERNATIVES
 from vllm_diffusion.step.hooks import ForwardStep, StepHooks
 from vllm_diffusion.step.plans import CommitBatch, EditBatch
-from vllm_diffusion.step.request import DiffusionRequest
+from vllm_diffusion.step.request import DiffusionRequest, OutputBounds
 from vllm_diffusion.step.rows import StepRows
 from vllm_diffusion.worker.geometry import BlockGeometry
 from vllm_diffusion.worker.outputs import (
@@ -45,6 +45,7 @@ from vllm_diffusion.worker.logprobs import (
     wants_logprobs,
 )
 from vllm_diffusion.worker.proposal import ProposalPipeline, chunk_rows
+from vllm_diffusion.worker.proposal_grid import scatter_to_host
 from vllm_diffusion.worker.row_context import RowContext
 from vllm_diffusion.worker.step_plan import (
     KnownTokens,
@@ -54,6 +55,7 @@ from vllm_diffusion.worker.step_plan import (
     forward_step,
     plan_request,
     step_inputs,
+    stop_tokens,
     truncate_at_stop,
 )
 
@@ -193,9 +195,12 @@ class DiffusionRunnerMixin:
         if request is None:
             extra_args = self.requests[req_id].sampling_params.extra_args
             config = self.diffusion.request_policy_config(extra_args)
-            params = self.requests[req_id].sampling_params
+            state = self.requests[req_id]
+            params = state.sampling_params
+            bounds = OutputBounds(stop_tokens(params), None if params.max_tokens is None
+                                  else len(state.prompt_token_ids) + params.max_tokens)
             request = DiffusionRequest(req_id, config, self.policy.new_state(config),
-                                       wants_step_map(extra_args),
+                                       wants_step_map(extra_args), bounds=bounds,
                                        grammar=self.grammars.compile(params))
             self.diffusion_requests[req_id] = request
         return request
@@ -252,11 +257,7 @@ class DiffusionRunnerMixin:
         counts = (run.layer_block_rows if run is not None else
                   [sum(len(s.block_rows) for s in step.requests if s.block_rows is not None)]
                   * self.num_layers)
-        per_layer = stats.block_positions_per_layer
-        if len(per_layer) < len(counts):
-            per_layer.extend([0] * (len(counts) - len(per_layer)))
-        for layer, count in enumerate(counts):
-            per_layer[layer] += count
+        stats.add_layer_rows(counts)
         out_rows = run.rows if run is not None else torch.arange(len(positions))
         return hidden_states, out_rows, counts
 
@@ -303,49 +304,18 @@ class DiffusionRunnerMixin:
             counts, params, [s.generator for s in states],
             context.output_index, context.seen_tokens, with_entropy, context.output_canvas,
             grammar.first_row_masks(where, counts) if grammar.active else None)
-        # The step's one device-to-host copy: tokens, confidences (and entropies, and the
-        # logprob columns) together, as float64 (which holds every token id exactly).
-        # Scattered into [R, B] on the host, -inf / mask where not computed.
-        columns = [proposed.tokens, proposed.confidence]
-        if with_entropy:
-            columns.append(proposed.entropy)
-        if proposed.ranked is not None:
-            columns += list(proposed.ranked.T)
-        parts = [torch.stack([c.double() for c in columns]).flatten()]
-        if proposed.logprobs is not None:
-            parts.append(proposed.logprobs.flatten())
-        host = torch.cat(parts).cpu()
-        n = len(proposed.tokens)
-        table = host[:len(columns) * n].view(len(columns), n)
-        block_of_row, position_of_row = where[:, 0], where[:, 1]
-        proposals = torch.full((len(blocks), block_size), mask_id, dtype=torch.long)
-        proposals[block_of_row, position_of_row] = table[0].long()
-        full_confidence = torch.full((len(blocks), block_size), float("-inf"))
-        full_confidence[block_of_row, position_of_row] = table[1].float()
-        computed = torch.zeros(len(blocks), block_size, dtype=torch.bool)
-        computed[block_of_row, position_of_row] = True
-        if proposed.ranked is not None:  # the policy rewrites blocks (LLaDA2.2 editing)
-            ranked = torch.zeros(len(blocks), block_size, proposed.ranked.shape[1],
-                                 dtype=torch.long)
-            ranked[block_of_row, position_of_row] = (
-                table[len(columns) - proposed.ranked.shape[1]:].T.long())
-            return self._rewrite_blocks(blocks, states, proposals, full_confidence, ranked,
-                                        computed, failed)
+        grid = scatter_to_host(proposed, where, len(blocks), block_size, mask_id,
+                               [wants_logprobs(p) for p in params])
+        proposals, full_confidence, computed = grid.tokens, grid.confidence, grid.computed
+        if grid.ranked is not None:  # the policy rewrites blocks (LLaDA2.2 editing)
+            return self._rewrite_blocks(blocks, states, proposals, full_confidence,
+                                        grid.ranked, computed, failed)
         available = masked & computed
         if grammar.active:  # only a grammar-valid run from the leftmost undecided position
             grammar.constrain(proposals, full_confidence, available, computed)
         commit_inputs = (full_confidence, available)
         if with_entropy:
-            full_entropy = torch.zeros(len(blocks), block_size)
-            full_entropy[block_of_row, position_of_row] = table[2].float()
-            commit_inputs = (*commit_inputs, full_entropy)
-        block_logprobs = None
-        if proposed.logprobs is not None:
-            width = proposed.logprobs.shape[1]
-            asking = torch.tensor([wants_logprobs(p) for p in params])[block_of_row]
-            block_logprobs = torch.zeros(len(blocks), block_size, width, dtype=torch.float64)
-            block_logprobs[block_of_row[asking], position_of_row[asking]] = (
-                host[len(columns) * n:].view(-1, width))
+            commit_inputs = (*commit_inputs, grid.entropy)
         commits = self._ask_policy(self.policy.choose_commits, CommitBatch, requests,
                                    commit_inputs, failed, "choosing its commits")
         if grammar.active:
@@ -379,8 +349,8 @@ class DiffusionRunnerMixin:
             try:
                 emitted[req_id] = self._unmask(
                     block, state, decisions, i,
-                    None if block_logprobs is None or not wants_logprobs(params[i])
-                    else own_columns(block_logprobs[i], asked_count(params[i])))
+                    None if grid.logprobs is None or not wants_logprobs(params[i])
+                    else own_columns(grid.logprobs[i], asked_count(params[i])))
             except Exception as err:  # noqa: BLE001 - isolated to this request
                 failed[req_id] = self._fail_request(req_id, "unmasking its block", err)
         return emitted

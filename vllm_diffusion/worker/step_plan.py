@@ -184,11 +184,18 @@ def step_inputs(rows: list[RequestRows], page_ids: list[list[int]],
                       [r.kv_len for r in rows])
 
 
-def truncate_at_stop(tokens: list[int], params: Any, num_output: int) -> list[int]:
-    """Cut newly final tokens after a stop token or at max_tokens (as vLLM's stop check)."""
+def stop_tokens(params: Any) -> frozenset[int]:
+    """The tokens that end a request's output: ``stop_token_ids`` and its EOS (vLLM leaves
+    ``eos_token_id`` unset under ``ignore_eos``)."""
     stops = set(params.stop_token_ids or ())
     if params.eos_token_id is not None:
         stops.add(params.eos_token_id)
+    return frozenset(stops)
+
+
+def truncate_at_stop(tokens: list[int], params: Any, num_output: int) -> list[int]:
+    """Cut newly final tokens after a stop token or at max_tokens (as vLLM's stop check)."""
+    stops = stop_tokens(params)
     tokens = tokens[:max(params.max_tokens - num_output, 0)]
     for i, token in enumerate(tokens):
         if token in stops:
