@@ -10,13 +10,14 @@ from conftest import diffusion_llm
 
 from vllm import SamplingParams
 
-from vllm_diffusion.policies.elastic import (
+from vllm_diffusion.policies.chunk_statistics import (
     STAGES,
     ChunkStatistics,
-    ElasticConfig,
-    ElasticPolicy,
+    StepRecord,
     stage_of,
+    window_outcomes,
 )
+from vllm_diffusion.policies.elastic import ElasticConfig, ElasticPolicy
 from vllm_diffusion.policies.latency_model import LatencyProfile, OnlineLatency, fit_piecewise
 from vllm_diffusion_lab.offline import stats_delta
 
@@ -83,12 +84,36 @@ def test_estimates_follow_the_stage_and_interpolate_between_sizes():
         statistics.observe(4, 0, 1, 4)  # early in a block: one commit per step
         statistics.observe(4, 3, 3, 4)  # late: three
         statistics.observe(8, 0, 2, 8)
-    assert statistics.estimate(4, 0, 16) == (1.0, 4.0)
-    assert statistics.estimate(4, 3, 16) == (3.0, 4.0)
-    assert statistics.estimate(4, 1, 16) == (2.0, 4.0)  # the size over its stages
-    # 6, never observed: halfway between 4 (mean 2 commits) and 8 (2 commits, 8 rows)
-    assert statistics.estimate(6, 0, 16) == (2.0, 6.0)
+    sizes = [4, 6, 8]
+    assert statistics.estimates(0, sizes, 16)[4] == (1.0, 4.0)
+    assert statistics.estimates(3, sizes, 16)[4] == (3.0, 4.0)
+    assert statistics.estimates(1, sizes, 16)[4] == (2.0, 4.0)  # the size over its stages
+    # 6, never observed: halfway between 4 (1 commit at stage 0) and 8 (2, 8 rows)
+    assert statistics.estimates(0, sizes, 16)[6] == (1.5, 6.0)
     assert stage_of(16, 16) == 0 and stage_of(1, 16) == STAGES - 1
+
+
+def test_a_size_seen_in_other_stages_is_scaled_to_the_stage():
+    statistics = ChunkStatistics()
+    for _ in range(20):
+        statistics.observe(4, 0, 1, 4)
+        statistics.observe(4, 3, 3, 4)  # size 4: 1 early, 3 late, 2 over both
+        statistics.observe(8, 0, 2, 8)
+        statistics.observe(16, 3, 6, 10)  # size 16: seen late only
+    # At stage 0 the sizes seen there commit 60 where their means predict 80: 16's late
+    # mean of 6 counts 4.5 early, not 6 (unscaled, 16 would look three times 8).
+    commits, rows = statistics.estimates(0, [4, 8, 16], 16)[16]
+    assert commits == pytest.approx(4.5)
+    assert rows == pytest.approx(10 * (20 * 4 + 20 * 8) / (20 * 4 + 20 * 8))
+
+
+def test_commit_estimates_never_fall_as_the_chunk_grows():
+    statistics = ChunkStatistics()
+    for _ in range(20):
+        statistics.observe(4, 0, 3, 4)  # noise: 4 seen committing more than 8
+        statistics.observe(8, 0, 2, 8)
+    estimates = statistics.estimates(0, [4, 8], 8)
+    assert estimates[4][0] == estimates[8][0] == pytest.approx(2.5)
 
 
 def test_warmup_and_exploration_move_one_request_only():
@@ -106,6 +131,76 @@ def test_warmup_and_exploration_move_one_request_only():
     assert [len(e) for e in explored] == [0, 0, 0, 1, 0, 0, 0, 1]
     assert list(explored[3].values())[0] not in chosen[:4]
     assert list(explored[3]) != list(explored[7])  # another request's turn
+
+
+def test_output_bounds_mark_the_positions_that_can_be_output():
+    import torch
+
+    from vllm_diffusion.step.request import OutputBounds
+
+    # block of 8 starting at absolute position 20; EOS (id 2) decoded at position 3
+    tokens = torch.tensor([5, 6, 9, 2, 2, 2, 9, 9])
+    assert OutputBounds(frozenset({2}), None).output_mask(20, tokens).tolist() == [
+        True] * 4 + [False] * 4
+    assert OutputBounds(frozenset(), None).output_mask(20, tokens).all()  # ignore_eos
+    # max_tokens ends the output at absolute position 25 (block position 5)
+    assert OutputBounds(frozenset(), 25).output_mask(20, tokens).sum() == 5
+    assert not OutputBounds(frozenset(), 10).output_mask(20, tokens).any()
+
+
+def record(masked: str, committed: str, computed: str, output: str, chunk: int,
+           reuse: bool = True) -> StepRecord:
+    """A request-step from strings of 0/1 per block position."""
+    import torch
+
+    def bits(text: str):
+        return torch.tensor([c == "1" for c in text])
+
+    return StepRecord(bits(masked), bits(committed), bits(computed), bits(output), chunk,
+                      reuse)
+
+
+def test_a_step_shows_what_every_smaller_window_would_have_done():
+    # block of 8: positions 0-1 decoded (1 in the processing set, recomputed), 2-7
+    # undecided; the whole-block step committed 3, 4 and 6; all can be output
+    whole = record("00111111", "00011010", "01111111", "11111111", 8)
+    outcomes = window_outcomes([whole], [1, 2, 4, 8], 8)
+    # (steps, output commits, rows) per size, stage 1 (6 of 8 undecided)
+    assert outcomes[(1, 1)] == (1, 1, 2)  # window {2}: nothing confident, one commit
+    assert outcomes[(2, 1)] == (1, 1, 3)  # {2, 3}: commits 3
+    assert outcomes[(4, 1)] == (1, 2, 5)  # {2..5}: 3 and 4
+    assert outcomes[(8, 1)] == (1, 3, 7)  # the step itself
+    # a window of 2 shows sizes 1 and 2 only; without reuse the decoded positions left
+    # of the window count as rows; positions past the output count as no commit
+    chunk = record("00111111", "00010000", "11110000", "11100000", 2, reuse=False)
+    outcomes = window_outcomes([chunk], [1, 2, 4, 8], 8)
+    assert set(outcomes) == {(1, 1), (2, 1)}
+    assert outcomes[(1, 1)] == (1, 1, 3) and outcomes[(2, 1)] == (1, 1, 4)
+    statistics = ChunkStatistics()
+    statistics.learn([whole] * 16, [1, 2, 4, 8], 8)
+    assert statistics.estimates(1, [4], 8)[4] == (2.0, 5.0)
+
+
+def test_elastic_records_its_steps_and_a_done_block_starts_anew():
+    import types
+
+    import torch
+
+    from vllm_diffusion.step.request import BlockCanvas, OutputBounds
+
+    policy = ElasticPolicy(8, 3, ElasticConfig(chunk_reuse=False))
+    # the step committed all 8 positions, EOS (id 2) at position 1: two are output
+    canvas = BlockCanvas(0, torch.tensor([7, 2, 2, 2, 2, 2, 2, 2]))
+    state = types.SimpleNamespace(chunk=None, after_step=lambda *args: None)
+    request = types.SimpleNamespace(canvas=canvas, policy_state=state,
+                                    policy_config=ElasticConfig(chunk_reuse=False),
+                                    bounds=OutputBounds(frozenset({2}), None))
+    policy.after_step(request, torch.ones(8, dtype=torch.bool), torch.ones(8, dtype=torch.bool), 8)
+    policy.statistics.learn(policy.records, [8], 8)
+    assert policy.statistics.commits[(8, 0)] == 2 and policy.statistics.rows[(8, 0)] == 8
+    # nothing masked left: the next step starts a new block, in the first stage
+    assert policy.next_stage(request) == 0
+    assert policy.next_stage(types.SimpleNamespace(canvas=Canvas(8, 1))) == STAGES - 1
 
 
 def test_the_online_latency_model_learns_three_regimes_and_reports_its_error():

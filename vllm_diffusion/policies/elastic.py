@@ -9,19 +9,30 @@ over the chunk sizes C (``chunk_candidates``: 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 
 to B, not only powers of two), keeping the current size unless another promises 5% more
 (``SWITCH_MARGIN``), where
 
-- T(x) is the step latency for x block rows, learned online (``OnlineLatency``): each
-  engine step's wall time (from its start to the next step's start) against the block
-  rows it computed, refitted over a rolling window, its error measured on held-out steps;
-  the same row definition is used to fit and to query. A saved profile
+- T(x) is the step latency for x rows, learned online (``OnlineLatency``): each engine
+  step's wall time (from its start to the next step's start) against all the rows its
+  forward computed (block rows, the commit rows of completed blocks, prefill), refitted
+  over a rolling window, its error measured on held-out steps. The same definition is
+  queried: a chunk's block rows plus its commits, as each committed token is computed
+  once more when its block is committed (amortised over the block's steps; the stable
+  end's reuse aside). Counting block rows alone would leave that cost, which grows with
+  the commits, out of the comparison and favour large chunks under load. A saved profile
   (``latency_profile``, made by ``tools/profile_latency.py``) may warm-start it; none is
   needed: until the first fit (8 steps) the policy decodes whole blocks;
-- N_commit(c, stage) and rows(c, stage) are the mean tokens committed and block rows
-  computed per request-step at chunk c, observed since start-up and kept per decoding
-  stage (the quarter of the block still masked before the step), so the estimate follows
-  the stage: early steps commit less than late ones. A size or stage with too few
-  observations borrows the size's other stages, then interpolates between the nearest
-  observed sizes (linear in c), then guesses from the whole block (commits N(B) * (c/B)^0.5,
-  rows c + rows(B) - B).
+- N_commit(c, stage) and rows(c, stage) are the mean output tokens committed and block
+  rows computed per request-step at chunk c, observed since start-up and kept per
+  decoding stage (the quarter of the block still masked before the step), so the estimate
+  follows the stage: early steps commit less than late ones. Commits past the request's
+  stop token or ``max_tokens`` are not output and not counted (a block after the answer
+  commits all its EOS padding at once at c = B, which would otherwise make whole blocks
+  look several times faster than they are). A request whose block is done counts in the
+  first stage (its next step starts a new block). A size with too few observations at a
+  stage takes its mean over all stages scaled by how that stage differs from the mean in
+  the sizes seen there (the sizes are seen in different stages: the whole block at the
+  start of blocks during warm-up, say; unscaled, the comparison would be of stages, not
+  sizes), then interpolates between the nearest observed sizes (linear in c), then
+  guesses from the whole block; commits are made non-decreasing in c
+  (``ChunkStatistics.estimates``).
 
 c counts the undecided positions a step computes per request (the chunk window of
 ``chunk_window.py``: the first c undecided positions, with decoded ones left of them as
@@ -48,9 +59,16 @@ from typing import Any, ClassVar
 import torch
 
 from vllm_diffusion.options import Rule, option
+from vllm_diffusion.policies.chunk_statistics import (
+    ChunkStatistics,
+    StepRecord,
+    chunk_candidates,
+    stage_of,
+)
 from vllm_diffusion.policies.chunk_window import ChunkConfig, ChunkWindow
 from vllm_diffusion.policies.latency_model import LatencyProfile, OnlineLatency, model_identity
 from vllm_diffusion.policies.unmasking import StrategyPolicy
+from vllm_diffusion.step.hooks import ForwardStep
 from vllm_diffusion.step.plans import BlockStepPlan
 from vllm_diffusion.step.request import DiffusionRequest
 
@@ -74,73 +92,7 @@ class ElasticConfig(ChunkConfig):
 
 ElasticRequest = DiffusionRequest[ElasticConfig, ChunkWindow]
 
-MIN_OBSERVATIONS = 8
 SWITCH_MARGIN = 1.05  # another size must promise 5% more commits per second to be taken
-
-
-def chunk_candidates(block_size: int) -> list[int]:
-    """The chunk sizes the policy chooses among: 1, 2, 3, 4, then every size a factor of
-    about 1.5 apart (6, 8, 12, 16, 24, 32, 48, ...) up to the block, and the block: finer
-    than powers of two, coarse enough that each size is observed often (with every size
-    1..B the noisiest estimate wins the argmax)."""
-    sizes, size = {1, 2, 3, 4, block_size}, 4
-    while size < block_size:
-        for step in (size * 3 // 2, size * 2):
-            if step < block_size:
-                sizes.add(step)
-        size *= 2
-    return sorted(s for s in sizes if s <= block_size)
-STAGES = 4  # decoding stages: quarters of the block still masked before the step
-
-
-def stage_of(masked: int, block_size: int) -> int:
-    """The decoding stage of a block with ``masked`` undecided positions (0: mostly
-    masked, STAGES - 1: nearly done)."""
-    return min(STAGES - 1, (block_size - masked) * STAGES // block_size)
-
-
-class ChunkStatistics:
-    """Request-steps observed at each (chunk size, stage): commits and rows."""
-
-    def __init__(self) -> None:
-        self.steps: collections.Counter = collections.Counter()
-        self.commits: collections.Counter = collections.Counter()
-        self.rows: collections.Counter = collections.Counter()
-
-    def observe(self, chunk: int, stage: int, committed: int, rows: int) -> None:
-        for key in ((chunk, stage), chunk):
-            self.steps[key] += 1
-            self.commits[key] += committed
-            self.rows[key] += rows
-
-    def _mean(self, key) -> tuple[float, float]:
-        return self.commits[key] / self.steps[key], self.rows[key] / self.steps[key]
-
-    def estimate(self, chunk: int, stage: int, block_size: int,
-                 observed: list[int] | None = None) -> tuple[float, float]:
-        """(commits, rows) per request-step at ``chunk`` in ``stage``; ``observed``: the
-        sizes with enough observations (``observed_sizes``), when the caller has them."""
-        for key in ((chunk, stage), chunk):
-            if self.steps[key] >= MIN_OBSERVATIONS * (2 if isinstance(key, tuple) else 1):
-                return self._mean(key)
-        if observed is None:
-            observed = self.observed_sizes(block_size)
-        below = [c for c in observed if c < chunk]
-        above = [c for c in observed if c > chunk]
-        if below and above:
-            low, high = below[-1], above[0]
-            weight = (chunk - low) / (high - low)
-            (c0, r0), (c1, r1) = self._mean(low), self._mean(high)
-            return c0 + weight * (c1 - c0), r0 + weight * (r1 - r0)
-        whole = self._mean(block_size) if self.steps[block_size] else (1.0, block_size)
-        return (max(whole[0] * (chunk / block_size) ** 0.5, 1.0),
-                max(chunk + whole[1] - block_size, chunk))
-
-    def observed_sizes(self, block_size: int) -> list[int]:
-        return [c for c in range(1, block_size + 1) if self.steps[c] >= MIN_OBSERVATIONS]
-
-    def observed_steps(self, chunk: int) -> int:
-        return self.steps[chunk]
 
 
 class ElasticPolicy(StrategyPolicy[ElasticConfig, ChunkWindow]):
@@ -159,7 +111,8 @@ class ElasticPolicy(StrategyPolicy[ElasticConfig, ChunkWindow]):
         self.explore_turn = 0
         self.chosen: collections.Counter = collections.Counter()  # steps per chosen chunk
         self.step_started: float | None = None
-        self.step_rows = 0  # block rows of the step under way
+        self.step_rows = 0  # rows of the step under way (all of them)
+        self.records: list[StepRecord] = []  # the last step's request-steps, to learn from
 
     def bind_model(self, hf_config: Any, prefix_caching: bool) -> None:
         path = self.engine_config.latency_profile
@@ -174,6 +127,8 @@ class ElasticPolicy(StrategyPolicy[ElasticConfig, ChunkWindow]):
         if self.step_started is not None and self.step_rows and requests:
             self.latency.observe(self.step_rows, now - self.step_started)
         self.step_started, self.step_rows = (now if requests else None), 0
+        self.statistics.learn(self.records, self.candidates, self.block_size)
+        self.records = []
         self.steps_begun += 1
         self.explored = {}
         config = self.engine_config
@@ -193,23 +148,27 @@ class ElasticPolicy(StrategyPolicy[ElasticConfig, ChunkWindow]):
     def choose_chunk(self, requests: list[ElasticRequest]) -> int:
         """c* for a step of ``requests``, from the estimates so far (computed once per
         size and stage, weighted by the requests in each stage)."""
-        per_stage = collections.Counter(
-            stage_of(int(r.canvas.masked(self.mask_token_id).sum()), self.block_size)
-            if r.canvas is not None else 0 for r in requests)
-        observed = self.statistics.observed_sizes(self.block_size)
-
-        def rate(chunk: int) -> float:
-            commits = rows = 0.0
-            for stage, count in per_stage.items():
-                c, r = self.statistics.estimate(chunk, stage, self.block_size, observed)
-                commits, rows = commits + count * c, rows + count * r
-            return commits / self.latency.seconds(rows)
-
-        rates = {c: rate(c) for c in self.candidates}
+        per_stage = collections.Counter(self.next_stage(r) for r in requests)
+        totals = {c: [0.0, 0.0] for c in self.candidates}  # commits, rows of the step
+        for stage, count in per_stage.items():
+            for chunk, (commits, rows) in self.statistics.estimates(
+                    stage, self.candidates, self.block_size).items():
+                totals[chunk][0] += count * commits
+                totals[chunk][1] += count * rows
+        rates = {c: commits / self.latency.seconds(rows + commits)
+                 for c, (commits, rows) in totals.items()}
         best = max(rates, key=rates.get)
         if self.step_chunk in rates and rates[best] < SWITCH_MARGIN * rates[self.step_chunk]:
             return self.step_chunk  # keep the current size unless clearly beaten
         return best
+
+    def next_stage(self, request: ElasticRequest) -> int:
+        """The stage of the block the request's next step denoises: a canvas with nothing
+        masked left is done, so its next step starts a new block (stage 0)."""
+        if request.canvas is None:
+            return 0
+        masked = int(request.canvas.masked(self.mask_token_id).sum())
+        return 0 if masked == 0 else stage_of(masked, self.block_size)
 
     def start_block(self, request: ElasticRequest, resumed: bool) -> None:
         request.policy_state.start_block()
@@ -221,15 +180,21 @@ class ElasticPolicy(StrategyPolicy[ElasticConfig, ChunkWindow]):
                                          None if chunk >= self.block_size else chunk,
                                          request.policy_config.chunk_reuse)
 
+    def forward_hooks(self, step: ForwardStep) -> None:
+        """No hooks; the step's plan is final here, so its rows (all of them: prefill,
+        commits and block rows) are noted for the latency model."""
+        self.step_rows = step.num_rows
+        return None
+
     def after_step(self, request: ElasticRequest, masked_before: torch.Tensor,
                    computed: torch.Tensor, num_decoded: int) -> None:
         state = request.policy_state
         state.after_step(masked_before, computed, request.policy_config.chunk_reuse)
-        rows = int(computed.sum())
-        self.step_rows += rows
-        self.statistics.observe(state.chunk or self.block_size,
-                                stage_of(int(masked_before.sum()), self.block_size),
-                                num_decoded, rows)
+        canvas = request.canvas
+        self.records.append(StepRecord(
+            masked_before, masked_before & ~canvas.masked(self.mask_token_id), computed,
+            request.bounds.output_mask(canvas.start, canvas.tokens),
+            state.chunk or self.block_size, request.policy_config.chunk_reuse))
 
     def chosen_chunk(self) -> int | None:
         return self.step_chunk

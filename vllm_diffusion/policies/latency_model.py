@@ -116,7 +116,7 @@ def binned(samples: list[tuple[float, float]], bins: int = 24) -> list[tuple[flo
 class OnlineLatency:
     """Step latency learned from the engine's own steps (no profile needed).
 
-    Each observation is (block rows a step computed, the wall time from that step's start
+    Each observation is (the rows a step computed, the wall time from that step's start
     to the next one's: the whole engine step, scheduling and output included). The model
     is refitted every ``refit_every`` observations (8) over a rolling window of the last
     ``window`` ones: three affine regimes (``fit_piecewise``) or one affine fit, whichever
