@@ -14,11 +14,13 @@ from vllm_diffusion.policies.chunk_statistics import (
     STAGES,
     ChunkStatistics,
     StepRecord,
+    output_masks,
     stage_of,
     window_outcomes,
 )
 from vllm_diffusion.policies.elastic import ElasticConfig, ElasticPolicy
 from vllm_diffusion.policies.latency_model import LatencyProfile, OnlineLatency, fit_piecewise
+from vllm_diffusion.step.request import OutputBounds
 from vllm_diffusion_lab.offline import stats_delta
 
 MODEL = {"architectures": ["SDARForCausalLM"]}
@@ -133,51 +135,60 @@ def test_warmup_and_exploration_move_one_request_only():
     assert list(explored[3]) != list(explored[7])  # another request's turn
 
 
-def test_output_bounds_mark_the_positions_that_can_be_output():
-    import torch
-
-    from vllm_diffusion.step.request import OutputBounds
-
-    # block of 8 starting at absolute position 20; EOS (id 2) decoded at position 3
-    tokens = torch.tensor([5, 6, 9, 2, 2, 2, 9, 9])
-    assert OutputBounds(frozenset({2}), None).output_mask(20, tokens).tolist() == [
-        True] * 4 + [False] * 4
-    assert OutputBounds(frozenset(), None).output_mask(20, tokens).all()  # ignore_eos
-    # max_tokens ends the output at absolute position 25 (block position 5)
-    assert OutputBounds(frozenset(), 25).output_mask(20, tokens).sum() == 5
-    assert not OutputBounds(frozenset(), 10).output_mask(20, tokens).any()
+MASK = 3
 
 
-def record(masked: str, committed: str, computed: str, output: str, chunk: int,
-           reuse: bool = True) -> StepRecord:
-    """A request-step from strings of 0/1 per block position."""
+def record(masked: str, committed: str, computed: str, chunk: int, reuse: bool = True,
+           start: int = 0, tokens: list[int] | None = None,
+           bounds: OutputBounds = OutputBounds()) -> StepRecord:
+    """A request-step from strings of 0/1 per block position (committed positions hold
+    token 5 unless ``tokens`` says otherwise)."""
     import torch
 
     def bits(text: str):
         return torch.tensor([c == "1" for c in text])
 
-    return StepRecord(bits(masked), bits(committed), bits(computed), bits(output), chunk,
-                      reuse)
+    after = torch.where(bits(masked) & ~bits(committed), MASK, 5)
+    if tokens is not None:
+        after = torch.tensor(tokens)
+    return StepRecord(bits(masked), after, bits(computed), start, bounds, chunk, reuse)
+
+
+def test_output_bounds_mark_the_positions_that_can_be_output():
+    # block of 8 at absolute position 20 with EOS (id 2) at position 3
+    tokens = [5, 6, 9, 2, 2, 2, 9, 9]
+    cases = [(OutputBounds(frozenset({2}), None), 4),  # up to the first stop, inclusive
+             (OutputBounds(frozenset(), None), 8),  # ignore_eos
+             (OutputBounds(frozenset(), 25), 5),  # max_tokens ends at position 25
+             (OutputBounds(frozenset({2}), 22), 2),
+             (OutputBounds(frozenset(), 10), 0)]
+    records = [record("0" * 8, "0" * 8, "1" * 8, 8, start=20, tokens=tokens, bounds=bounds)
+               for bounds, _ in cases]
+    masks = output_masks(records)
+    for (_, expected), mask in zip(cases, masks):
+        assert mask.tolist() == [True] * expected + [False] * (8 - expected)
 
 
 def test_a_step_shows_what_every_smaller_window_would_have_done():
     # block of 8: positions 0-1 decoded (1 in the processing set, recomputed), 2-7
     # undecided; the whole-block step committed 3, 4 and 6; all can be output
-    whole = record("00111111", "00011010", "01111111", "11111111", 8)
-    outcomes = window_outcomes([whole], [1, 2, 4, 8], 8)
+    whole = record("00111111", "00011010", "01111111", 8)
+    outcomes = window_outcomes([whole], [1, 2, 4, 8], 8, MASK)
     # (steps, output commits, rows) per size, stage 1 (6 of 8 undecided)
     assert outcomes[(1, 1)] == (1, 1, 2)  # window {2}: nothing confident, one commit
     assert outcomes[(2, 1)] == (1, 1, 3)  # {2, 3}: commits 3
     assert outcomes[(4, 1)] == (1, 2, 5)  # {2..5}: 3 and 4
     assert outcomes[(8, 1)] == (1, 3, 7)  # the step itself
     # a window of 2 shows sizes 1 and 2 only; without reuse the decoded positions left
-    # of the window count as rows; positions past the output count as no commit
-    chunk = record("00111111", "00010000", "11110000", "11100000", 2, reuse=False)
-    outcomes = window_outcomes([chunk], [1, 2, 4, 8], 8)
+    # of the window count as rows; positions past the output (max_tokens ends it at
+    # position 3) count as no commit
+    chunk = record("00111111", "00010000", "11110000", 2, reuse=False,
+                   bounds=OutputBounds(frozenset(), 3))
+    outcomes = window_outcomes([chunk], [1, 2, 4, 8], 8, MASK)
     assert set(outcomes) == {(1, 1), (2, 1)}
     assert outcomes[(1, 1)] == (1, 1, 3) and outcomes[(2, 1)] == (1, 1, 4)
     statistics = ChunkStatistics()
-    statistics.learn([whole] * 16, [1, 2, 4, 8], 8)
+    statistics.learn([whole] * 16, [1, 2, 4, 8], 8, MASK)
     assert statistics.estimates(1, [4], 8)[4] == (2.0, 5.0)
 
 
@@ -186,9 +197,9 @@ def test_elastic_records_its_steps_and_a_done_block_starts_anew():
 
     import torch
 
-    from vllm_diffusion.step.request import BlockCanvas, OutputBounds
+    from vllm_diffusion.step.request import BlockCanvas
 
-    policy = ElasticPolicy(8, 3, ElasticConfig(chunk_reuse=False))
+    policy = ElasticPolicy(8, MASK, ElasticConfig(chunk_reuse=False))
     # the step committed all 8 positions, EOS (id 2) at position 1: two are output
     canvas = BlockCanvas(0, torch.tensor([7, 2, 2, 2, 2, 2, 2, 2]))
     state = types.SimpleNamespace(chunk=None, after_step=lambda *args: None)
@@ -196,11 +207,14 @@ def test_elastic_records_its_steps_and_a_done_block_starts_anew():
                                     policy_config=ElasticConfig(chunk_reuse=False),
                                     bounds=OutputBounds(frozenset({2}), None))
     policy.after_step(request, torch.ones(8, dtype=torch.bool), torch.ones(8, dtype=torch.bool), 8)
-    policy.statistics.learn(policy.records, [8], 8)
+    canvas.tokens[:] = MASK  # the record keeps the block as the step left it
+    policy.statistics.learn(policy.records, [8], 8, MASK)
     assert policy.statistics.commits[(8, 0)] == 2 and policy.statistics.rows[(8, 0)] == 8
     # nothing masked left: the next step starts a new block, in the first stage
-    assert policy.next_stage(request) == 0
-    assert policy.next_stage(types.SimpleNamespace(canvas=Canvas(8, 1))) == STAGES - 1
+    canvas.tokens[:] = 7
+    later = types.SimpleNamespace(canvas=Canvas(8, 1))
+    assert policy.next_stages([request, later, types.SimpleNamespace(canvas=None)]) == [
+        0, STAGES - 1, 0]
 
 
 def test_the_online_latency_model_learns_three_regimes_and_reports_its_error():

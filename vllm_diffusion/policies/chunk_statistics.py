@@ -22,6 +22,8 @@ import dataclasses
 
 import torch
 
+from vllm_diffusion.step.request import OutputBounds
+
 MIN_OBSERVATIONS = 8
 
 
@@ -76,12 +78,12 @@ class ChunkStatistics:
             self.commits[key] += committed
             self.rows[key] += rows
 
-    def learn(self, records: list[StepRecord], candidates: list[int], block_size: int
-              ) -> None:
+    def learn(self, records: list[StepRecord], candidates: list[int], block_size: int,
+              mask_token_id: int) -> None:
         """Every candidate size each record's window shows (``window_outcomes``)."""
         if records:
-            for (chunk, stage), totals in window_outcomes(records, candidates,
-                                                          block_size).items():
+            for (chunk, stage), totals in window_outcomes(records, candidates, block_size,
+                                                          mask_token_id).items():
                 self.observe(chunk, stage, totals[1], totals[2], steps=totals[0])
 
     def _mean(self, key) -> tuple[float, float]:
@@ -155,21 +157,43 @@ class StepRecord:
     """One request-step as the statistics need it."""
 
     masked: torch.Tensor  # [B] bool: undecided before the step
-    committed: torch.Tensor  # [B] bool: committed this step
+    tokens: torch.Tensor  # [B] int64: the block after the step (a copy)
     computed: torch.Tensor  # [B] bool: positions the step computed
-    output: torch.Tensor  # [B] bool: positions that can be output
-                           # (``OutputBounds.output_mask``)
+    start: int  # the block's absolute position
+    bounds: OutputBounds  # where the request's output can end
     chunk: int  # the window's size (B: the whole block)
     reuse: bool
 
 
-def window_outcomes(records: list[StepRecord], candidates: list[int], block_size: int
-                    ) -> dict[tuple[int, int], tuple[int, float, float]]:
-    """(chunk, stage) -> (request-steps, output commits, rows) that the step's windows
+def output_masks(records: list[StepRecord]) -> torch.Tensor:
+    """[R, B] bool: each block's positions that can become output (``OutputBounds``, for
+    all records at once: one pass per distinct set of stop tokens)."""
+    tokens = torch.stack([r.tokens for r in records])
+    width = tokens.shape[1]
+    limit = torch.tensor([width if r.bounds.end is None else max(r.bounds.end - r.start, 0)
+                          for r in records])
+    by_stops: dict[frozenset, list[int]] = collections.defaultdict(list)
+    for i, r in enumerate(records):
+        if r.bounds.stop_token_ids:
+            by_stops[r.bounds.stop_token_ids].append(i)
+    for stops, rows in by_stops.items():
+        index = torch.tensor(rows)
+        is_stop = torch.isin(tokens[index], torch.tensor(sorted(stops)))
+        first = torch.where(is_stop.any(dim=1), is_stop.to(torch.int8).argmax(dim=1) + 1,
+                            width)
+        limit[index] = torch.minimum(limit[index], first)
+    return torch.arange(width) < limit[:, None]
+
+
+def window_outcomes(records: list[StepRecord], candidates: list[int], block_size: int,
+                    mask_token_id: int) -> dict[tuple[int, int], tuple[int, float, float]]:
+    """(chunk, stage) -> (request-steps, output commits, rows) that the records' windows
     show for each candidate chunk no larger than the window each request computed."""
     masked = torch.stack([r.masked for r in records])  # [R, B]
-    useful = torch.stack([r.committed & r.output for r in records]) & masked
-    reachable = masked & torch.stack([r.output for r in records])
+    output = output_masks(records)
+    committed = masked & (torch.stack([r.tokens for r in records]) != mask_token_id)
+    useful = committed & output
+    reachable = masked & output
     computed = torch.stack([r.computed for r in records])
     sizes = torch.tensor(candidates)  # [K]
     undecided = masked.sum(dim=1)  # [R]

@@ -32,7 +32,12 @@ to B, not only powers of two), keeping the current size unless another promises 
   start of blocks during warm-up, say; unscaled, the comparison would be of stages, not
   sizes), then interpolates between the nearest observed sizes (linear in c), then
   guesses from the whole block; commits are made non-decreasing in c
-  (``ChunkStatistics.estimates``).
+  (``ChunkStatistics.estimates``). Each request-step informs every size up to its
+  window's (``chunk_statistics.window_outcomes``: what the first c undecided positions
+  committed), so a whole-block step measures every size. The statistics learn every
+  ``LEARN_EVERY`` steps from the request-steps since, in one pass over all of them, and
+  the estimates are kept until they learn again: the policy's own work per step is a
+  pass over the step's canvases and ten latency queries.
 
 c counts the undecided positions a step computes per request (the chunk window of
 ``chunk_window.py``: the first c undecided positions, with decoded ones left of them as
@@ -44,7 +49,9 @@ the choice for it. Unmasking is the strategies' (``unmasking.py``); committed KV
 whatever the chunk.
 
 Remaining deviations: the paper profiles T offline per model and GPU; here it is learned
-in service (a profile is optional). The paper's exploration is not specified; ours is one
+in service (a profile is optional). The paper measures N_commit per size; here a size is
+also credited with what larger windows committed in its positions (a smaller window sees
+less of the block, so its own confidences can differ). The paper's exploration is not specified; ours is one
 request per ``explore_every`` steps. Token editing is refused (a chunk leaves positions
 without a new proposal).
 """
@@ -93,6 +100,7 @@ class ElasticConfig(ChunkConfig):
 ElasticRequest = DiffusionRequest[ElasticConfig, ChunkWindow]
 
 SWITCH_MARGIN = 1.05  # another size must promise 5% more commits per second to be taken
+LEARN_EVERY = 8  # steps between updates of the statistics (and of the estimates)
 
 
 class ElasticPolicy(StrategyPolicy[ElasticConfig, ChunkWindow]):
@@ -112,7 +120,8 @@ class ElasticPolicy(StrategyPolicy[ElasticConfig, ChunkWindow]):
         self.chosen: collections.Counter = collections.Counter()  # steps per chosen chunk
         self.step_started: float | None = None
         self.step_rows = 0  # rows of the step under way (all of them)
-        self.records: list[StepRecord] = []  # the last step's request-steps, to learn from
+        self.records: list[StepRecord] = []  # request-steps since the statistics learned
+        self.estimates: dict[int, dict[int, tuple[float, float]]] = {}  # per stage, cached
 
     def bind_model(self, hf_config: Any, prefix_caching: bool) -> None:
         path = self.engine_config.latency_profile
@@ -127,9 +136,11 @@ class ElasticPolicy(StrategyPolicy[ElasticConfig, ChunkWindow]):
         if self.step_started is not None and self.step_rows and requests:
             self.latency.observe(self.step_rows, now - self.step_started)
         self.step_started, self.step_rows = (now if requests else None), 0
-        self.statistics.learn(self.records, self.candidates, self.block_size)
-        self.records = []
         self.steps_begun += 1
+        if self.steps_begun % LEARN_EVERY == 0:
+            self.statistics.learn(self.records, self.candidates, self.block_size,
+                                  self.mask_token_id)
+            self.records, self.estimates = [], {}
         self.explored = {}
         config = self.engine_config
         if (not requests or self.steps_begun <= config.warmup_steps
@@ -148,11 +159,13 @@ class ElasticPolicy(StrategyPolicy[ElasticConfig, ChunkWindow]):
     def choose_chunk(self, requests: list[ElasticRequest]) -> int:
         """c* for a step of ``requests``, from the estimates so far (computed once per
         size and stage, weighted by the requests in each stage)."""
-        per_stage = collections.Counter(self.next_stage(r) for r in requests)
+        per_stage = collections.Counter(self.next_stages(requests))
         totals = {c: [0.0, 0.0] for c in self.candidates}  # commits, rows of the step
         for stage, count in per_stage.items():
-            for chunk, (commits, rows) in self.statistics.estimates(
-                    stage, self.candidates, self.block_size).items():
+            if stage not in self.estimates:  # until the statistics learn again
+                self.estimates[stage] = self.statistics.estimates(stage, self.candidates,
+                                                                  self.block_size)
+            for chunk, (commits, rows) in self.estimates[stage].items():
                 totals[chunk][0] += count * commits
                 totals[chunk][1] += count * rows
         rates = {c: commits / self.latency.seconds(rows + commits)
@@ -162,13 +175,15 @@ class ElasticPolicy(StrategyPolicy[ElasticConfig, ChunkWindow]):
             return self.step_chunk  # keep the current size unless clearly beaten
         return best
 
-    def next_stage(self, request: ElasticRequest) -> int:
-        """The stage of the block the request's next step denoises: a canvas with nothing
-        masked left is done, so its next step starts a new block (stage 0)."""
-        if request.canvas is None:
-            return 0
-        masked = int(request.canvas.masked(self.mask_token_id).sum())
-        return 0 if masked == 0 else stage_of(masked, self.block_size)
+    def next_stages(self, requests: list[ElasticRequest]) -> list[int]:
+        """The stage of the block each request's next step denoises (one pass over the
+        step's canvases); a canvas with nothing masked left is done, so its next step
+        starts a new block (stage 0)."""
+        canvases = [r.canvas.tokens for r in requests if r.canvas is not None]
+        masked = (torch.stack(canvases) == self.mask_token_id).sum(dim=1).tolist() if (
+            canvases) else []
+        stages = iter(0 if m == 0 else stage_of(m, self.block_size) for m in masked)
+        return [0 if r.canvas is None else next(stages) for r in requests]
 
     def start_block(self, request: ElasticRequest, resumed: bool) -> None:
         request.policy_state.start_block()
@@ -191,10 +206,10 @@ class ElasticPolicy(StrategyPolicy[ElasticConfig, ChunkWindow]):
         state = request.policy_state
         state.after_step(masked_before, computed, request.policy_config.chunk_reuse)
         canvas = request.canvas
-        self.records.append(StepRecord(
-            masked_before, masked_before & ~canvas.masked(self.mask_token_id), computed,
-            request.bounds.output_mask(canvas.start, canvas.tokens),
-            state.chunk or self.block_size, request.policy_config.chunk_reuse))
+        self.records.append(StepRecord(masked_before, canvas.tokens.clone(), computed,
+                                       canvas.start, request.bounds,
+                                       state.chunk or self.block_size,
+                                       request.policy_config.chunk_reuse))
 
     def chosen_chunk(self) -> int | None:
         return self.step_chunk

@@ -88,18 +88,6 @@ class OutputBounds:
     stop_token_ids: frozenset[int] = frozenset()
     end: int | None = None
 
-    def output_mask(self, start: int, tokens: torch.Tensor) -> torch.Tensor:
-        """[B] bool: the positions of the block at absolute ``start`` (``tokens``: [B]) that
-        can become output: before ``end`` and not after the block's first stop token. (A
-        stop token before ``min_tokens`` counts as a stop: an estimate for policies that
-        learn a rate, not the output itself.)"""
-        limit = len(tokens) if self.end is None else max(self.end - start, 0)
-        if self.stop_token_ids:
-            stops = torch.isin(tokens, torch.tensor(sorted(self.stop_token_ids)))
-            if bool(stops.any()):
-                limit = min(limit, int(stops.to(torch.int8).argmax()) + 1)
-        return torch.arange(len(tokens)) < limit
-
 
 @dataclasses.dataclass(eq=False)  # one object per request: compared by identity
 class DiffusionRequest(Generic[ConfigT, StateT]):
