@@ -157,15 +157,20 @@ class ElasticPolicy(StrategyPolicy[ElasticConfig, ChunkWindow]):
             self.chosen[self.step_chunk] += 1
 
     def choose_chunk(self, requests: list[ElasticRequest]) -> int:
-        """c* for a step of ``requests``, from the estimates so far (computed once per
-        size and stage, weighted by the requests in each stage)."""
-        per_stage = collections.Counter(self.next_stages(requests))
+        """c* for a step of ``requests``, from the estimates so far. A request with U
+        undecided positions computes min(c, U) of them whatever c is, so its estimate is
+        that size's (in its stage): a block nearly done is indifferent to the choice,
+        which the blocks the choice matters for then make."""
+        per_block = collections.Counter(self.undecided_counts(requests))
+        sizes = list(range(1, self.block_size + 1))
         totals = {c: [0.0, 0.0] for c in self.candidates}  # commits, rows of the step
-        for stage, count in per_stage.items():
+        for undecided, count in per_block.items():
+            stage = stage_of(undecided, self.block_size)
             if stage not in self.estimates:  # until the statistics learn again
-                self.estimates[stage] = self.statistics.estimates(stage, self.candidates,
+                self.estimates[stage] = self.statistics.estimates(stage, sizes,
                                                                   self.block_size)
-            for chunk, (commits, rows) in self.estimates[stage].items():
+            for chunk in self.candidates:
+                commits, rows = self.estimates[stage][min(chunk, undecided)]
                 totals[chunk][0] += count * commits
                 totals[chunk][1] += count * rows
         rates = {c: commits / self.latency.seconds(rows + commits)
@@ -175,15 +180,19 @@ class ElasticPolicy(StrategyPolicy[ElasticConfig, ChunkWindow]):
             return self.step_chunk  # keep the current size unless clearly beaten
         return best
 
-    def next_stages(self, requests: list[ElasticRequest]) -> list[int]:
-        """The stage of the block each request's next step denoises (one pass over the
-        step's canvases); a canvas with nothing masked left is done, so its next step
-        starts a new block (stage 0)."""
+    def undecided_counts(self, requests: list[ElasticRequest]) -> list[int]:
+        """Undecided positions of the block each request's next step denoises (one pass
+        over the step's canvases); a canvas with nothing masked left is done, so its next
+        step starts a new block (all B undecided)."""
         canvases = [r.canvas.tokens for r in requests if r.canvas is not None]
         masked = (torch.stack(canvases) == self.mask_token_id).sum(dim=1).tolist() if (
             canvases) else []
-        stages = iter(0 if m == 0 else stage_of(m, self.block_size) for m in masked)
-        return [0 if r.canvas is None else next(stages) for r in requests]
+        counts = iter(m or self.block_size for m in masked)
+        return [self.block_size if r.canvas is None else next(counts) for r in requests]
+
+    def next_stages(self, requests: list[ElasticRequest]) -> list[int]:
+        """The stage of the block each request's next step denoises."""
+        return [stage_of(u, self.block_size) for u in self.undecided_counts(requests)]
 
     def start_block(self, request: ElasticRequest, resumed: bool) -> None:
         request.policy_state.start_block()
