@@ -80,6 +80,18 @@ def test_chosen_chunk_follows_load():
     assert sizes == sorted(sizes, reverse=True) and len(set(sizes)) >= 3
 
 
+def test_a_nearly_done_block_does_not_move_the_choice():
+    policy = ElasticPolicy(32, 3, ElasticConfig(warmup_steps=0, explore_every=10_000))
+    policy.latency = OnlineLatency(MODEL, warm_start=saturating_profile(capacity=4096))
+    # Late in blocks, larger windows were seen committing more (as when they hold more
+    # undecided positions); a block with 2 left computes 2 whatever the chunk.
+    for chunk in policy.candidates:
+        for _ in range(20):
+            policy.statistics.observe(chunk, STAGES - 1, 1 + chunk / 4, chunk)
+    policy.step_chunk = 8
+    assert policy.choose_chunk(requests_at(64, 32, 2)) == 8  # every size >= 2 is the same
+
+
 def test_estimates_follow_the_stage_and_interpolate_between_sizes():
     statistics = ChunkStatistics()
     for _ in range(20):
