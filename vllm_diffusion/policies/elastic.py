@@ -3,7 +3,8 @@ with a latency model the engine learns from its own steps.
 
 Each step, for the b requests scheduled, the policy picks
 
-    c* = argmax over c in C of  sum_i N_commit(c, stage_i) / T(sum_i rows(c, stage_i))
+    c* = argmax over c in C of  sum_i N_commit(c_i, stage_i) / T(sum_i rows(c_i, stage_i)),
+    c_i = min(c, U_i)  (a block with U_i undecided positions computes at most U_i)
 
 over the chunk sizes C (``chunk_candidates``: 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, ... up
 to B, not only powers of two), keeping the current size unless another promises 5% more
