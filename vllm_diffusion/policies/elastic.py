@@ -191,10 +191,6 @@ class ElasticPolicy(StrategyPolicy[ElasticConfig, ChunkWindow]):
         counts = iter(m or self.block_size for m in masked)
         return [self.block_size if r.canvas is None else next(counts) for r in requests]
 
-    def next_stages(self, requests: list[ElasticRequest]) -> list[int]:
-        """The stage of the block each request's next step denoises."""
-        return [stage_of(u, self.block_size) for u in self.undecided_counts(requests)]
-
     def start_block(self, request: ElasticRequest, resumed: bool) -> None:
         request.policy_state.start_block()
 
