@@ -177,12 +177,14 @@ def reference_es_generate(model: ReferenceSDAR, prompt: list[int], *, block_size
 
 
 def ada_freeze(confidence: list[float], masked: list[bool], history: list[list[float]],
-               capacity: float, confidence_floor: float = 0.0) -> list[bool]:
+               capacity: float, confidence_floor: float = 0.0,
+               static_threshold: float | None = None) -> list[bool]:
     """Ada-DLM's decision over one block: rank by confidence, K = ceil(capacity * B) fixed
     by the block size B, prototypes rho(1) and rho(K+1) (the lowest-ranked when K >= m),
-    freeze where d_high < d_bound, and always freeze rho(1). ``confidence_floor`` is not
-    the paper's (0 leaves its rule): a position below it this step is not frozen unless it
-    is rho(1)."""
+    freeze where d_high < d_bound, and always freeze rho(1). ``confidence_floor`` and
+    ``static_threshold`` are not the paper's (0 and None leave its rule): a position below
+    the floor this step is not frozen unless it is rho(1); a masked position above the
+    static threshold is frozen whatever its cluster."""
     candidates = [i for i in range(len(masked)) if masked[i]]
     frozen = [False] * len(masked)
     if not candidates:
@@ -196,6 +198,8 @@ def ada_freeze(confidence: list[float], masked: list[bool], history: list[list[f
         d_high = sum((a - b) ** 2 for a, b in zip(history[i], high))
         d_bound = sum((a - b) ** 2 for a, b in zip(history[i], bound))
         frozen[i] = d_high < d_bound and confidence[i] >= confidence_floor
+        if static_threshold is not None and confidence[i] > static_threshold:
+            frozen[i] = True
     frozen[ranked[0]] = True
     return frozen
 
@@ -206,6 +210,7 @@ def reference_ada_generate(model: ReferenceSDAR, prompt: list[int], *, block_siz
                            intra_block_cache: bool = True,
                            freeze_rule: str = "after_recompute",
                            confidence_floor: float = 0.0,
+                           static_threshold: float | None = None,
                            stop_token_ids=frozenset()) -> list[int]:
     """``freeze_rule``, when a decoded position stops being computed: "after_recompute"
     (after one step computed it with its token: the paper's frozen tokens skip the FFN but
@@ -234,7 +239,7 @@ def reference_ada_generate(model: ReferenceSDAR, prompt: list[int], *, block_siz
                 if masked[i]:
                     trajectory[i] = [float(confidence[i])] + trajectory[i][:-1]
             frozen = ada_freeze(confidence.tolist(), masked, trajectory, capacity,
-                                confidence_floor)
+                                confidence_floor, static_threshold)
             block = torch.where(torch.tensor(frozen), proposal, block)
             if freeze_rule == "immediate":  # decoded now or before (prompt positions too)
                 stopped = (block != mask_id).tolist()

@@ -10,15 +10,18 @@ from reference_early_skip import ada_freeze
 from vllm_diffusion.policies.ada import (batched_freeze_positions,
                                                      capacity_count, freeze_positions)
 
-# (block size, masked positions per block, history length, capacity, confidence floor)
+# (block size, masked positions per block, history length, capacity, confidence floor,
+#  static threshold)
 GRID = {
-    "b4-all-masked-h3": (4, [4, 3, 1, 0], 3, 0.15, 0.0),
-    "b16-mixed-h3": (16, [16, 9, 2, 1], 3, 0.15, 0.0),
-    "b16-mixed-h3-floor": (16, [16, 9, 2, 1], 3, 0.15, 0.6),
-    "b32-capacity-half": (32, [32, 20, 5, 3], 3, 0.5, 0.0),
-    "b32-capacity-half-floor-high": (32, [32, 20, 5, 3], 3, 0.5, 0.95),
-    "b32-capacity-one": (32, [32, 7, 2, 1], 2, 1.0, 0.0),
-    "b64-h1": (64, [64, 33, 17, 1], 1, 0.15, 0.0),
+    "b4-all-masked-h3": (4, [4, 3, 1, 0], 3, 0.15, 0.0, None),
+    "b16-mixed-h3": (16, [16, 9, 2, 1], 3, 0.15, 0.0, None),
+    "b16-mixed-h3-floor": (16, [16, 9, 2, 1], 3, 0.15, 0.6, None),
+    "b16-mixed-h3-floor-static": (16, [16, 9, 2, 1], 3, 0.15, 0.8, 0.7),
+    "b32-capacity-half": (32, [32, 20, 5, 3], 3, 0.5, 0.0, None),
+    "b32-capacity-half-floor-high": (32, [32, 20, 5, 3], 3, 0.5, 0.95, None),
+    "b32-static-high": (32, [32, 20, 5, 3], 3, 0.15, 0.0, 0.9),
+    "b32-capacity-one": (32, [32, 7, 2, 1], 2, 1.0, 0.0, None),
+    "b64-h1": (64, [64, 33, 17, 1], 1, 0.15, 0.0, None),
 }
 
 
@@ -36,23 +39,27 @@ def random_blocks(block: int, counts: list[int], history: int, seed: int):
 
 @pytest.mark.parametrize("name", GRID)
 def test_batched_freeze_equals_the_per_block_rule_and_the_reference(name):
-    block, counts, history, capacity, floor = GRID[name]
+    block, counts, history, capacity, floor, static = GRID[name]
     for seed in range(5):
         confidence, masked, trajectory = random_blocks(block, counts, history, seed)
-        batched = batched_freeze_positions(confidence, masked, trajectory,
-                                           torch.full((len(counts),), capacity,
-                                                      dtype=torch.float64),
-                                           torch.full((len(counts),), floor,
-                                                      dtype=torch.float64))
-        for row in range(len(counts)):
+        rows = len(counts)
+        batched = batched_freeze_positions(
+            confidence, masked, trajectory,
+            torch.full((rows,), capacity, dtype=torch.float64),
+            torch.full((rows,), floor, dtype=torch.float64),
+            torch.full((rows,), float("nan") if static is None else static,
+                       dtype=torch.float64))
+        for row in range(rows):
             single = freeze_positions(confidence[row], masked[row], trajectory[row], capacity,
-                                      floor)
+                                      floor, static)
             assert torch.equal(batched[row], single)
             want = ada_freeze(confidence[row].tolist(), masked[row].tolist(),
-                              trajectory[row].tolist(), capacity, floor)
+                              trajectory[row].tolist(), capacity, floor, static)
             assert single.tolist() == want
             if counts[row]:
                 assert bool(single.any()) and not bool((single & ~masked[row]).any())
+            if static is not None:  # everything masked above the threshold freezes
+                assert bool(single[masked[row] & (confidence[row] > static)].all())
 
 
 def test_capacity_count_rounds_up_without_float_noise():

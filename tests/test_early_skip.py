@@ -142,18 +142,23 @@ def test_es_on_moe_equals_the_es_reference(moe_checkpoint):
                                                skip_layers=(0,), **options)
 
 
-@pytest.mark.parametrize("block_size,capacity,history,cache,freeze_rule,floor", [
-    (8, 0.15, 3, True, "after_recompute", 0.0), (16, 0.15, 3, True, "after_recompute", 0.0),
-    (16, 0.5, 1, True, "after_recompute", 0.4), (4, 1.0, 3, True, "after_recompute", 0.0),
-    (16, 0.15, 3, False, "after_recompute", 0.0),
-    (16, 0.15, 3, True, "after_neighbour", 0.0), (8, 0.3, 2, True, "immediate", 0.0)])
+@pytest.mark.parametrize("block_size,capacity,history,cache,freeze_rule,floor,static", [
+    (8, 0.15, 3, True, "after_recompute", 0.0, None),
+    (16, 0.15, 3, True, "after_recompute", 0.0, None),
+    (16, 0.5, 1, True, "after_recompute", 0.4, None),
+    (4, 1.0, 3, True, "after_recompute", 0.0, None),
+    (16, 0.15, 3, False, "after_recompute", 0.0, None),
+    (16, 0.15, 3, False, "after_recompute", 0.6, 0.3),
+    (16, 0.15, 3, True, "after_neighbour", 0.0, None),
+    (8, 0.3, 2, True, "immediate", 0.0, None)])
 def test_ada_equals_the_ada_reference(four_layer_checkpoint, block_size, capacity, history,
-                                      cache, freeze_rule, floor):
+                                      cache, freeze_rule, floor, static):
     checkpoint = four_layer_checkpoint
     mask_id, stops, vocab_size = checkpoint_info(checkpoint)
     prompts = make_prompts(block_size, vocab_size, stops | {mask_id}, seed=60 + block_size)
     options = {"capacity": capacity, "history": history, "intra_block_cache": cache,
-               "freeze_rule": freeze_rule, "confidence_floor": floor}
+               "freeze_rule": freeze_rule, "confidence_floor": floor,
+               "static_threshold": static}
     got, stats = run(checkpoint, block_size, prompts, "ada", options, 3 * block_size)
     reference = ReferenceSDAR(checkpoint)
     for prompt, tokens in zip(prompts, got):
@@ -194,6 +199,8 @@ def test_es_and_ada_options_are_validated(four_layer_checkpoint, dense_checkpoin
                        additional_config={"diffusion_policy": "ada"}) as llm:
         for extra, message in (({"capacity": 0.0}, r"'capacity' must be float in \(0.0, 1.0\]"),
                                ({"history": 0}, r"'history' must be int in \[1, 16\]"),
+                               ({"static_threshold": 1.5},
+                                r"'static_threshold' must be float in \[0.0, 1.0\] or null"),
                                ({"strategy": "sequential"}, r"unknown option.*'strategy'")):
             with pytest.raises(rejected, match=message):
                 llm.generate(TokensPrompt(prompt_token_ids=[5, 6, 7]),
