@@ -131,3 +131,51 @@ def test_a_hook_at_every_layer_runs_eagerly():
     some = LayerSegments([torch.nn.Identity()] * 4, LayerHooks(after_output=(1,)),
                          compiled=True)
     assert some.compiled
+
+
+class HalfLayer(torch.nn.Module):
+    """A layer with the two halves a piece runs (no attention: a linear map for each)."""
+
+    def __init__(self, width: int, seed: int) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.inputs = torch.nn.Linear(width, width)
+        self.output = torch.nn.Linear(width, width)
+
+    def attention_inputs(self, positions, hidden, residual):
+        residual = hidden if residual is None else hidden + residual
+        q = self.inputs(residual) + positions[:, None]
+        return q, q * 2, q * 3, residual
+
+    def attention_output(self, positions, q, k, v, residual):
+        return self.output(q + k - v), residual
+
+
+def test_compiled_pieces_guard_their_inputs_only():
+    """The pieces drop the guards on their layers and globals, not those on their inputs:
+    new row counts and a new dtype still give the eager result, and an in-place change of
+    a layer's weights is seen (parameters are read at every call)."""
+    from vllm_diffusion.models.layer_segments import _input_guards, _piece
+
+    entries = [type("Guard", (), {"name": n})() for n in
+               ("", "hidden", "q[0]", "residual.size()", "layers[0]._modules",
+                "G['__import_torch']", "run_units")]
+    assert _input_guards(entries) == [True, True, True, True, False, False, False]
+    layers = [HalfLayer(8, seed) for seed in range(2)]
+    compiled = _piece(layers, 0, 3, compiled=True)
+    eager = _piece(layers, 0, 3, compiled=False)
+    for rows, dtype in ((5, torch.float32), (9, torch.float32), (2, torch.float64),
+                        (7, torch.float32)):
+        if dtype == torch.float64:
+            for layer in layers:
+                layer.double()
+        elif layers[0].inputs.weight.dtype != dtype:
+            for layer in layers:
+                layer.float()
+        args = (torch.arange(rows, dtype=dtype), torch.randn(rows, 8, dtype=dtype),
+                None, None, None, None)
+        torch.testing.assert_close(compiled(*args)[0], eager(*args)[0])
+    with torch.no_grad():
+        layers[1].output.weight.mul_(-1)
+    args = (torch.arange(4.0), torch.randn(4, 8), None, None, None, None)
+    torch.testing.assert_close(compiled(*args)[0], eager(*args)[0])
