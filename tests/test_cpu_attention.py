@@ -10,7 +10,8 @@ from kernel_harness import torch_side
 from paged_cases import GRID, make_case
 
 from vllm_diffusion.attention.cpu_attention import (attend_segments, plan_segments,
-                                                   segmented_block_causal_attention)
+                                                   segmented_block_causal_attention,
+                                                   write_kv_with_vllm)
 from vllm_diffusion.kernels.block_attention import block_causal_attention, write_kv
 from vllm_diffusion.kernels.kv_pages import key_value_views, to_split
 
@@ -66,6 +67,32 @@ def test_split_pages_hold_what_was_written():
     split_keys, split_values = key_value_views(to_split(interleaved))
     assert torch.equal(split_keys, interleaved[..., :8])
     assert torch.equal(split_values, interleaved[..., 8:])
+
+
+# (pages, KV heads, page size, head size, rows written, dtype)
+WRITE_GRID = {
+    "page-16-one-row": (4, 2, 16, 64, 1, torch.float32),
+    "page-16-many-rows": (6, 2, 16, 64, 70, torch.float32),
+    "page-32-bf16": (5, 4, 32, 64, 100, torch.bfloat16),
+    "page-64-head-128": (3, 1, 64, 128, 150, torch.float32),
+}
+
+
+@pytest.mark.parametrize("case", WRITE_GRID.values(), ids=WRITE_GRID.keys())
+def test_vllm_cache_write_equals_write_kv(case):
+    """vLLM's cache-write kernel stores what ``write_kv`` stores, skipping negative slots,
+    from float32 rows into a cache of another dtype too."""
+    pages, heads, page_size, head_size, rows, dtype = case
+    gen = torch.Generator().manual_seed(rows)
+    want = torch.randn(pages, heads, page_size, 2 * head_size, generator=gen).to(dtype)
+    got = want.clone()
+    key = torch.randn(rows, heads, head_size, generator=gen)
+    value = torch.randn(rows, heads, head_size, generator=gen)
+    slots = torch.randperm(pages * page_size, generator=gen)[:rows]
+    slots[::7] = -1
+    write_kv(want, key, value, slots)
+    write_kv_with_vllm(got, key, value, slots)
+    assert torch.equal(got, want)
 
 
 def test_rows_of_a_request_out_of_block_order():

@@ -34,7 +34,8 @@ from vllm.v1.kv_cache_layout import KVCacheLayout
 
 from vllm_diffusion.attention.cpu_attention import (attend_segments, cpu_kernel_supports,
                                                    plan_segments,
-                                                   segmented_block_causal_attention)
+                                                   segmented_block_causal_attention,
+                                                   write_kv_with_vllm)
 from vllm_diffusion.attention.key_selection import attend_with_key_selection
 from vllm_diffusion.kernels.block_attention import (PaddedPlan, attend_padded,
                                                     padded_block_causal_attention,
@@ -133,11 +134,13 @@ class BlockDiffusionAttentionImpl(AttentionImpl[BlockDiffusionMetadata]):
         # with a key selection.
         self.cpu_attention = (plan_segments, attend_segments)
         self.cpu_dense = segmented_block_causal_attention
+        self.cpu_write_kv = write_kv_with_vllm
         if current_platform.is_cpu() and not cpu_kernel_supports(head_size):
             logger.info("vllm-diffusion: vLLM's CPU attention has no kernel for head size "
                         "%d; the padded torch attention runs instead", head_size)
             self.cpu_attention = (self._plan_padded, attend_padded)
             self.cpu_dense = padded_block_causal_attention
+            self.cpu_write_kv = write_kv
 
     def _plan_padded(self, query_positions, query_start_loc, kv_lens, block_table,
                      block_size, num_heads, kv_cache) -> PaddedPlan:
@@ -154,8 +157,9 @@ class BlockDiffusionAttentionImpl(AttentionImpl[BlockDiffusionMetadata]):
         rows = attn_metadata.rows
         n, n_kv = rows.num_queries, len(rows.slot_mapping)
         output[n:].zero_()  # rows past the step's: bucket padding (``StepRun``)
-        write_kv(kv_cache, key[:n_kv], value[:n_kv], rows.slot_mapping)
         on_cuda = query.device.type == "cuda"
+        (write_kv if on_cuda else self.cpu_write_kv)(kv_cache, key[:n_kv], value[:n_kv],
+                                                     rows.slot_mapping)
         block_table, block_size = attn_metadata.block_table, attn_metadata.diffusion_block_size
         if rows.key_selection is None:
             if on_cuda:

@@ -74,6 +74,22 @@ def plan_segments(query_positions: torch.Tensor, query_start_loc: list[int],
                        metadata, num_rows)
 
 
+def write_kv_with_vllm(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                       slot_mapping: torch.Tensor) -> None:
+    """``kernels.block_attention.write_kv`` through vLLM's CPU cache-write kernel (one call,
+    negative slots skipped), into the split arrangement its attention reads.
+
+    key, value: [T, H_kv, D]; slot_mapping: [T] int64."""
+    num_pages, num_kv_heads, page_size, two_d = kv_cache.shape
+    if not kv_cache.is_contiguous():
+        raise ValueError("vLLM's CPU attention needs a contiguous KV cache")
+    halves = kv_cache.view(num_pages, num_kv_heads, 2 * page_size, two_d // 2)
+    key_cache, value_cache = halves.chunk(2, dim=2)
+    ops.cpu_attn_reshape_and_cache(key.to(kv_cache.dtype).contiguous(),
+                                   value.to(kv_cache.dtype).contiguous(), key_cache,
+                                   value_cache, slot_mapping, portable_isa(page_size))
+
+
 def attend_segments(query: torch.Tensor, kv_cache: torch.Tensor, plan: SegmentPlan,
                     scale: float) -> torch.Tensor:
     """One layer's attention of the planned rows. query: [T, H, D]; returns [T, H, D]."""
