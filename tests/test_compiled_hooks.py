@@ -111,6 +111,9 @@ def test_enforce_eager_is_honoured(four_layer_checkpoint):
 @pytest.mark.parametrize("declared,num_layers,want", [
     (LayerHooks(), 4, [(0, 7)]),
     (LayerHooks(before_attention=(0, 1)), 12, [(0, 0), (1, 1), (2, 2), (3, 3), (4, 23)]),
+    (LayerHooks(reads_attention=(0,), before_attention=(1,)), 12,
+     [(0, 0), (1, 2), (3, 3), (4, 23)]),
+    (LayerHooks(reads_attention=(2,)), 4, [(0, 4), (5, 7)]),
     (LayerHooks(after_output=(2, 3)), 12, [(0, 5), (6, 7), (8, 23)]),
     (LayerHooks(select_keys=(1,), after_output=(1,)), 4, [(0, 2), (3, 3), (4, 7)]),
     (LayerHooks(after_output=(3,)), 4, [(0, 7)]),
@@ -179,3 +182,25 @@ def test_compiled_pieces_guard_their_inputs_only():
         layers[1].output.weight.mul_(-1)
     args = (torch.arange(4.0), torch.randn(4, 8), None, None, None, None)
     torch.testing.assert_close(compiled(*args)[0], eager(*args)[0])
+
+
+def test_a_reading_hook_may_not_drop_rows():
+    """A hook declared as only reading a layer's attention (no cut after that attention)
+    that drops rows is an error, not a silently stale key set."""
+    from types import SimpleNamespace
+
+    from vllm_diffusion.models.step_run import StepRun
+    from vllm_diffusion.step.hooks import RowSelection, StepHooks
+    from vllm_diffusion.step.rows import StepRows
+
+    class Dropping(StepHooks):
+        layers = LayerHooks(reads_attention=(0,))
+
+        def before_attention(self, layer_input):
+            return RowSelection(torch.tensor([True, False, True, True]))
+
+    rows = StepRows(torch.arange(4), torch.arange(4), [0, 4], [4])
+    run = StepRun(Dropping(), torch.ones(4, dtype=torch.bool), rows)
+    attention = SimpleNamespace(num_heads=2, num_kv_heads=1, head_dim=4, scaling=0.5)
+    with pytest.raises(RuntimeError, match="reading layer 0's attention"):
+        run.before_attention(0, attention, torch.randn(4, 8), torch.randn(4, 4))

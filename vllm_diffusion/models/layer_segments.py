@@ -2,11 +2,12 @@
 
 A forward is a chain of half layers: unit 2l is layer l's ``attention_inputs`` (norm and
 projections), unit 2l + 1 its ``attention_output`` (attention, norm and MLP). A step's
-hooks run between units (``step_run``): ``before_attention`` and ``select_keys`` of layer
-l after unit 2l (its ``after_attention`` after unit 2l + 1), ``after_output`` of layer l
-after unit 2l + 1. The units between two hook points form a piece, compiled once by
-``torch.compile`` with a dynamic row dimension, so the rows a hook keeps go through the
-later layers compiled, whatever their number. The hooks themselves, which make
+hooks run between units (``step_run``): ``before_attention``, ``reads_attention`` and
+``select_keys`` of layer l after unit 2l (the first and last then have an
+``after_attention`` after unit 2l + 1; a hook that only reads rows needs none),
+``after_output`` of layer l after unit 2l + 1. The units between two hook points form a
+piece, compiled once by ``torch.compile`` with a dynamic row dimension, so the rows a hook
+keeps go through the later layers compiled, whatever their number. The hooks themselves, which make
 data-dependent choices on the host, run eagerly between the pieces.
 
 vLLM's attention is an opaque custom op on the platforms that compile this way, so a piece
@@ -35,6 +36,7 @@ def piece_boundaries(declared: LayerHooks, num_layers: int) -> list[tuple[int, i
     cuts = {2 * num_layers - 1}
     for layer in (*declared.before_attention, *declared.select_keys):
         cuts |= {2 * layer, 2 * layer + 1}
+    cuts |= {2 * layer for layer in declared.reads_attention}
     for layer in declared.after_output:
         cuts.add(2 * layer + 1)
     pieces, first = [], 0
@@ -91,7 +93,8 @@ class LayerSegments:
 
     def __init__(self, layers: list[nn.Module], declared: LayerHooks, compiled: bool) -> None:
         self.layers = layers
-        self.hooked_attention = {*declared.before_attention, *declared.select_keys}
+        self.hooked_attention = {*declared.before_attention, *declared.select_keys,
+                                 *declared.reads_attention}
         boundaries = piece_boundaries(declared, len(layers))
         self.compiled = compiled and any(last > first for first, last in boundaries)
         self.pieces = [(first, last, _piece(layers, first, last, self.compiled))

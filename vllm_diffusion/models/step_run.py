@@ -65,7 +65,9 @@ class StepRun:
         """q [T', H * D], k [T', H_kv * D]; returns (q, *carried) of the continuing rows."""
         declared, selection = self.declared, None
         real = len(self.rows)  # rows beyond it are bucket padding
-        if layer in declared.before_attention or layer in declared.select_keys:
+        reads_only = layer in declared.reads_attention
+        if (layer in declared.before_attention or layer in declared.select_keys
+                or reads_only):
             layer_input = LayerInput(
                 layer, self.rows,
                 query=q[:real].view(-1, attention.num_heads, attention.head_dim),
@@ -73,8 +75,11 @@ class StepRun:
                 scale=attention.scaling)
             if layer in declared.select_keys:
                 self.step_rows.key_selection = self.hooks.select_keys(layer_input)
-            if layer in declared.before_attention:
+            if layer in declared.before_attention or reads_only:
                 selection = self.hooks.before_attention(layer_input)
+            if reads_only and selection is not None:
+                raise RuntimeError(f"a hook declared as reading layer {layer}'s attention "
+                                   "(reads_attention) dropped rows")
         if selection is not None:
             self.step_rows.keep_queries(selection.keep, selection.kv_lens or {})
             self._dropped_keys = selection.keep
