@@ -110,10 +110,8 @@ def test_enforce_eager_is_honoured(four_layer_checkpoint):
 
 @pytest.mark.parametrize("declared,num_layers,want", [
     (LayerHooks(), 4, [(0, 7)]),
-    (LayerHooks(before_attention=(0, 1)), 12, [(0, 0), (1, 1), (2, 2), (3, 3), (4, 23)]),
-    (LayerHooks(reads_attention=(0,), before_attention=(1,)), 12,
-     [(0, 0), (1, 2), (3, 3), (4, 23)]),
-    (LayerHooks(reads_attention=(2,)), 4, [(0, 4), (5, 7)]),
+    (LayerHooks(before_attention=(0, 1)), 12, [(0, 0), (1, 2), (3, 23)]),
+    (LayerHooks(before_attention=(2,)), 4, [(0, 4), (5, 7)]),
     (LayerHooks(after_output=(2, 3)), 12, [(0, 5), (6, 7), (8, 23)]),
     (LayerHooks(select_keys=(1,), after_output=(1,)), 4, [(0, 2), (3, 3), (4, 7)]),
     (LayerHooks(after_output=(3,)), 4, [(0, 7)]),
@@ -184,23 +182,18 @@ def test_compiled_pieces_guard_their_inputs_only():
     torch.testing.assert_close(compiled(*args)[0], eager(*args)[0])
 
 
-def test_a_reading_hook_may_not_drop_rows():
-    """A hook declared as only reading a layer's attention (no cut after that attention)
-    that drops rows is an error, not a silently stale key set."""
-    from types import SimpleNamespace
 
-    from vllm_diffusion.models.step_run import StepRun
-    from vllm_diffusion.step.hooks import RowSelection, StepHooks
+def test_rows_dropped_before_an_attention_leave_the_keys_inside_it():
+    """A drop before layer l's attention narrows the queries at once and the key rows only
+    once that attention stored every row's keys (``finish_attention``)."""
     from vllm_diffusion.step.rows import StepRows
 
-    class Dropping(StepHooks):
-        layers = LayerHooks(reads_attention=(0,))
-
-        def before_attention(self, layer_input):
-            return RowSelection(torch.tensor([True, False, True, True]))
-
-    rows = StepRows(torch.arange(4), torch.arange(4), [0, 4], [4])
-    run = StepRun(Dropping(), torch.ones(4, dtype=torch.bool), rows)
-    attention = SimpleNamespace(num_heads=2, num_kv_heads=1, head_dim=4, scaling=0.5)
-    with pytest.raises(RuntimeError, match="reading layer 0's attention"):
-        run.before_attention(0, attention, torch.randn(4, 8), torch.randn(4, 4))
+    rows = StepRows(torch.arange(4), torch.tensor([10, 11, 12, 13]), [0, 4], [4])
+    keep = torch.tensor([True, False, True, True])
+    rows.keep_queries(keep, {})
+    rows.keys_after_attention = keep
+    assert rows.num_queries == 3 and rows.slot_mapping.tolist() == [10, 11, 12, 13]
+    rows.finish_attention()
+    assert rows.slot_mapping.tolist() == [10, 12, 13] and rows.keys_after_attention is None
+    rows.finish_attention()  # nothing pending: the next layer keeps them
+    assert rows.slot_mapping.tolist() == [10, 12, 13]

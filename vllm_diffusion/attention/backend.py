@@ -160,6 +160,7 @@ class BlockDiffusionAttentionImpl(AttentionImpl[BlockDiffusionMetadata]):
         on_cuda = query.device.type == "cuda"
         (write_kv if on_cuda else self.cpu_write_kv)(kv_cache, key[:n_kv], value[:n_kv],
                                                      rows.slot_mapping)
+        rows.finish_attention()  # rows dropped before this attention leave the key rows
         block_table, block_size = attn_metadata.block_table, attn_metadata.diffusion_block_size
         if rows.key_selection is None:
             if on_cuda:

@@ -2,13 +2,14 @@
 
 A forward is a chain of half layers: unit 2l is layer l's ``attention_inputs`` (norm and
 projections), unit 2l + 1 its ``attention_output`` (attention, norm and MLP). A step's
-hooks run between units (``step_run``): ``before_attention``, ``reads_attention`` and
-``select_keys`` of layer l after unit 2l (the first and last then have an
-``after_attention`` after unit 2l + 1; a hook that only reads rows needs none),
-``after_output`` of layer l after unit 2l + 1. The units between two hook points form a
-piece, compiled once by ``torch.compile`` with a dynamic row dimension, so the rows a hook
-keeps go through the later layers compiled, whatever their number. The hooks themselves, which make
-data-dependent choices on the host, run eagerly between the pieces.
+hooks run between units (``step_run``): ``before_attention`` and ``select_keys`` of
+layer l after unit 2l (``select_keys`` has an ``after_attention``
+after unit 2l + 1, which ends its selection; rows dropped before an attention leave the
+key rows inside it), ``after_output`` of layer l after unit 2l + 1. The units between two
+hook points form a piece, compiled once by ``torch.compile`` with a dynamic row
+dimension, so the rows a hook keeps go through the later layers compiled, whatever their
+number. The hooks themselves, which make data-dependent choices on the host, run eagerly
+between the pieces.
 
 vLLM's attention is an opaque custom op on the platforms that compile this way, so a piece
 calls it as the whole-model graph does, and the op reads the step's current rows from the
@@ -34,9 +35,9 @@ from vllm_diffusion.step.hooks import LayerHooks
 def piece_boundaries(declared: LayerHooks, num_layers: int) -> list[tuple[int, int]]:
     """(first unit, last unit) of each piece, in order, for hooks at ``declared`` layers."""
     cuts = {2 * num_layers - 1}
-    for layer in (*declared.before_attention, *declared.select_keys):
+    for layer in declared.select_keys:  # its key selection ends after the attention
         cuts |= {2 * layer, 2 * layer + 1}
-    cuts |= {2 * layer for layer in declared.reads_attention}
+    cuts |= {2 * layer for layer in declared.before_attention}
     for layer in declared.after_output:
         cuts.add(2 * layer + 1)
     pieces, first = [], 0
@@ -93,8 +94,7 @@ class LayerSegments:
 
     def __init__(self, layers: list[nn.Module], declared: LayerHooks, compiled: bool) -> None:
         self.layers = layers
-        self.hooked_attention = {*declared.before_attention, *declared.select_keys,
-                                 *declared.reads_attention}
+        self.hooked_attention = {*declared.before_attention, *declared.select_keys}
         boundaries = piece_boundaries(declared, len(layers))
         self.compiled = compiled and any(last > first for first, last in boundaries)
         self.pieces = [(first, last, _piece(layers, first, last, self.compiled))

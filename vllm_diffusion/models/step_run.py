@@ -12,9 +12,10 @@ order:
   layer may select keys for the attention (``select_keys``) and drop query rows
   (``before_attention``); returns the queries and the ``carried`` row tensors (the
   residual stream, positions, ...) of the rows that continue. The attention still stores
-  every row's keys/values;
-- ``run.after_attention(layer)``: after the attention; rows dropped before it leave the
-  key rows too;
+  every row's keys/values, then leaves the dropped rows' keys for the later layers
+  (``StepRows.finish_attention``);
+- ``run.after_attention(layer)``: after the attention of a layer with a key selection,
+  which it ends;
 - ``run.after_output(layer, output, *carried)`` when ``run.wants_output(layer)``: with the
   layer's output in the residual stream (``output``, which the hook reads); returns the
   ``carried`` tensors of the rows that continue.
@@ -57,7 +58,6 @@ class StepRun:
         self.rows = torch.arange(len(block_rows))  # [T'] step rows of the current states
         self.layer_block_rows: list[int] = []  # per layer
         self._block_count = int(block_rows.sum())
-        self._dropped_keys: torch.Tensor | None = None
 
     def before_attention(self, layer: int, attention: nn.Module, q: torch.Tensor,
                          k: torch.Tensor, *carried: torch.Tensor
@@ -65,9 +65,7 @@ class StepRun:
         """q [T', H * D], k [T', H_kv * D]; returns (q, *carried) of the continuing rows."""
         declared, selection = self.declared, None
         real = len(self.rows)  # rows beyond it are bucket padding
-        reads_only = layer in declared.reads_attention
-        if (layer in declared.before_attention or layer in declared.select_keys
-                or reads_only):
+        if layer in declared.before_attention or layer in declared.select_keys:
             layer_input = LayerInput(
                 layer, self.rows,
                 query=q[:real].view(-1, attention.num_heads, attention.head_dim),
@@ -75,14 +73,11 @@ class StepRun:
                 scale=attention.scaling)
             if layer in declared.select_keys:
                 self.step_rows.key_selection = self.hooks.select_keys(layer_input)
-            if layer in declared.before_attention or reads_only:
+            if layer in declared.before_attention:
                 selection = self.hooks.before_attention(layer_input)
-            if reads_only and selection is not None:
-                raise RuntimeError(f"a hook declared as reading layer {layer}'s attention "
-                                   "(reads_attention) dropped rows")
         if selection is not None:
             self.step_rows.keep_queries(selection.keep, selection.kv_lens or {})
-            self._dropped_keys = selection.keep
+            self.step_rows.keys_after_attention = selection.keep
             q, *carried = self._keep(selection, q[:real], *(self._real(t) for t in carried))
         self.layer_block_rows.append(self._block_count)
         return (q, *carried)
@@ -93,9 +88,6 @@ class StepRun:
         self.layer_block_rows.append(self._block_count)
 
     def after_attention(self, layer: int) -> None:
-        if self._dropped_keys is not None:
-            self.step_rows.keep_keys(self._dropped_keys)
-            self._dropped_keys = None
         self.step_rows.key_selection = None
 
     def wants_output(self, layer: int) -> bool:

@@ -14,7 +14,7 @@ calls, in order (``begin_step`` first, with every scheduled request):
 2. ``forward_hooks(step)`` once: an object whose methods the model's layers call at the
    hook points it declares (``step.hooks``) -- after a layer's keys/values are computed and
    before its attention (``before_attention``: may drop rows; their KV at that layer is
-   still stored; ``reads_attention``: the same hook, reading only), after a layer's output (``after_output``: may drop rows), and inside
+   still stored), after a layer's output (``after_output``: may drop rows), and inside
    attention (``select_keys``: which committed-prefix keys each request's block rows see);
 3. ``choose_commits(batch)`` once for all requests: which masked positions to unmask,
    then ``choose_edits(batch)``: which filled positions take a new token (LLaDA2.1

@@ -20,9 +20,6 @@ class LayerHooks:
     """The layers at which a step's hooks run (layer indices of the model)."""
 
     before_attention: tuple[int, ...] = ()
-    # Layers whose ``before_attention`` hook only reads the queries and keys (it keeps
-    # every row), so the layer's attention and MLP run in one piece with what follows
-    reads_attention: tuple[int, ...] = ()
     after_output: tuple[int, ...] = ()
     select_keys: tuple[int, ...] = ()
 

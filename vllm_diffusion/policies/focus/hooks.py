@@ -35,8 +35,7 @@ class EvictingBlock:
 
 class FocusStepHooks(StepHooks):
     def __init__(self, step: ForwardStep, eviction_layer: int, mask_token_id: int) -> None:
-        self.layers = LayerHooks(reads_attention=(eviction_layer - 1,),
-                                 before_attention=(eviction_layer,))
+        self.layers = LayerHooks(before_attention=(eviction_layer - 1, eviction_layer))
         self.eviction_layer = eviction_layer
         self.device = step.device
         self.blocks: list[EvictingBlock] = []
