@@ -125,12 +125,13 @@ def test_a_hook_at_every_layer_runs_eagerly():
     """With a hook at every layer no piece spans a layer: nothing is compiled."""
     from vllm_diffusion.models.layer_segments import LayerSegments
 
-    every = LayerSegments([torch.nn.Identity()] * 4, LayerHooks(select_keys=(0, 1, 2, 3)),
-                          compiled=True)
+    identity = torch.nn.Identity()
+    every = LayerSegments([identity] * 4, LayerHooks(select_keys=(0, 1, 2, 3)),
+                          compiled=True, embed=identity, final_norm=identity)
     assert not every.compiled
     assert all(not hasattr(p, "_torchdynamo_orig_callable") for _, _, p in every.pieces)
-    some = LayerSegments([torch.nn.Identity()] * 4, LayerHooks(after_output=(1,)),
-                         compiled=True)
+    some = LayerSegments([identity] * 4, LayerHooks(after_output=(1,)),
+                         compiled=True, embed=identity, final_norm=identity)
     assert some.compiled
 
 

@@ -63,14 +63,13 @@ def run_layers(model: nn.Module, input_ids: torch.Tensor, positions: torch.Tenso
     """Embedding, the decoder layers, the final norm (no pipeline parallelism). With a run,
     the layers between its hook points run as pieces (``layer_segments``; compiled unless
     the engine is eager), the hooks between them."""
-    hidden, residual = model.embed_input_ids(input_ids), None
     layers = islice(model.layers, model.start_layer, model.end_layer)
-    if run is None:
-        for layer in layers:
-            hidden, residual = layer(positions, hidden, residual)
-    else:
+    if run is not None:
         segments = segments_for(model, list(layers), run.declared, run.compiled)
-        positions, hidden, residual = segments.run(run, positions, hidden)
+        return segments.run(run, positions, input_ids)[1]
+    hidden, residual = model.embed_input_ids(input_ids), None
+    for layer in layers:
+        hidden, residual = layer(positions, hidden, residual)
     hidden, _ = model.norm(hidden, residual)
     return hidden
 

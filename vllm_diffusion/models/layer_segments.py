@@ -47,26 +47,35 @@ def piece_boundaries(declared: LayerHooks, num_layers: int) -> list[tuple[int, i
     return pieces
 
 
-def _run_units(layers, first, last, positions, hidden, residual, q, k, v):
+def _run_units(layers, first, last, positions, hidden, residual, q, k, v, embed, final_norm):
     """Units first..last of ``layers``; the state between them is (hidden, residual) after
-    an odd unit and (q, k, v, residual) after an even one."""
+    an odd unit and (q, k, v, residual) after an even one. With ``embed`` ``hidden`` holds
+    the input ids (the first piece); with ``final_norm`` the hidden states returned are
+    normed (the last piece, when no hook follows it)."""
+    if embed is not None:
+        hidden = embed(hidden)
     for unit in range(first, last + 1):
         layer = layers[unit // 2]
         if unit % 2 == 0:
             q, k, v, residual = layer.attention_inputs(positions, hidden, residual)
         else:
             hidden, residual = layer.attention_output(positions, q, k, v, residual)
+    if final_norm is not None:
+        hidden, residual = final_norm(hidden, residual)
     return hidden, residual, q, k, v
 
 
-def _piece(layers: list[nn.Module], first: int, last: int, compiled: bool):
+def _piece(layers: list[nn.Module], first: int, last: int, compiled: bool,
+           embed: nn.Module | None = None, final_norm: nn.Module | None = None):
     """Units first..last as one callable (positions, hidden, residual, q, k, v) ->
-    (hidden, residual, q, k, v), compiled with a dynamic row dimension."""
+    (hidden, residual, q, k, v), compiled with a dynamic row dimension; ``embed`` and
+    ``final_norm`` as in ``_run_units``."""
     code = _run_units.__code__.replace(co_name=f"diffusion_units_{first}_{last}")
     run_units = types.FunctionType(code, _run_units.__globals__, code.co_name)
 
     def piece(positions, hidden, residual, q, k, v):
-        return run_units(layers, first, last, positions, hidden, residual, q, k, v)
+        return run_units(layers, first, last, positions, hidden, residual, q, k, v, embed,
+                         final_norm)
 
     piece.__code__ = piece.__code__.replace(co_name=f"diffusion_piece_{first}_{last}")
     if not compiled:
@@ -90,21 +99,30 @@ def _input_guards(entries) -> list[bool]:
 
 
 class LayerSegments:
-    """The pieces of a model's forward for one set of hook layers."""
+    """The pieces of a model's forward for one set of hook layers: the input embedding
+    runs in the first piece, the final norm in the last one unless a hook follows it."""
 
-    def __init__(self, layers: list[nn.Module], declared: LayerHooks, compiled: bool) -> None:
+    def __init__(self, layers: list[nn.Module], declared: LayerHooks, compiled: bool,
+                 embed: nn.Module, final_norm: nn.Module) -> None:
         self.layers = layers
         self.hooked_attention = {*declared.before_attention, *declared.select_keys}
         boundaries = piece_boundaries(declared, len(layers))
         self.compiled = compiled and any(last > first for first, last in boundaries)
-        self.pieces = [(first, last, _piece(layers, first, last, self.compiled))
-                       for first, last in boundaries]
+        self.final_norm = final_norm
+        self.norm_in_last_piece = len(layers) - 1 not in declared.after_output
+        self.pieces = [
+            (first, last, _piece(layers, first, last, self.compiled,
+                                 embed if first == 0 else None,
+                                 final_norm if last == 2 * len(layers) - 1
+                                 and self.norm_in_last_piece else None))
+            for first, last in boundaries]
 
-    def run(self, run, positions: torch.Tensor, hidden: torch.Tensor
-            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The layers with the run's hooks between the pieces; returns (positions, hidden,
-        residual) of the rows that continue."""
-        residual = q = k = v = None
+    def run(self, run, positions: torch.Tensor, input_ids: torch.Tensor
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The model's forward with the run's hooks between the pieces; returns (positions,
+        final hidden states) of the rows that continue."""
+        hidden, residual = input_ids, None
+        q = k = v = None
         for first, last, piece in self.pieces:
             for unit in range(first + first % 2, last + 1, 2):  # the attention inputs
                 if unit // 2 not in self.hooked_attention:
@@ -121,7 +139,9 @@ class LayerSegments:
             if run.wants_output(index):
                 hidden, residual, positions = run.after_output(
                     index, hidden + residual, hidden, residual, positions)
-        return positions, hidden, residual
+        if not self.norm_in_last_piece:
+            hidden, _ = self.final_norm(hidden, residual)
+        return positions, hidden
 
 
 _SEGMENTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -133,5 +153,6 @@ def segments_for(model: nn.Module, layers: list[nn.Module], declared: LayerHooks
     by_hooks = _SEGMENTS.setdefault(model, {})
     key = (declared, compiled)
     if key not in by_hooks:
-        by_hooks[key] = LayerSegments(layers, declared, compiled)
+        by_hooks[key] = LayerSegments(layers, declared, compiled, model.embed_input_ids,
+                                      model.norm)
     return by_hooks[key]
