@@ -1,8 +1,9 @@
 """FOCUS inside the forward: importance at two layers, then row selection.
 
 ``FocusStepHooks`` runs before the attention of layers ``L - 1`` and ``L`` (L =
-``eviction_layer``). At both it computes the importance of every evicting request's masked
-candidates from that layer's queries and keys; at L, once every row's keys/values are
+``eviction_layer``). At L - 1 it keeps the queries and keys of every evicting request's
+masked candidates; at L it computes the candidates' importance at both layers in one
+call; then, once every row's keys/values are
 known (the attention stores them for all rows), it asks each request's state for its
 budget, selects the retained positions for all requests in one batched call, and returns
 the rows that continue. An evicting request's keys are cut after its rightmost retained
@@ -50,7 +51,8 @@ class FocusStepHooks(StepHooks):
             processing[s.block_positions] = True
             self.blocks.append(EvictingBlock(index, s, processing, processing & masked,
                                              s.masked_rows(mask_token_id)))
-        self.importance: dict[int, list[torch.Tensor | None]] = {}
+        # [N, H, D] and [N, H_kv, D]: the candidates' queries and keys at layer L - 1
+        self.first_layer: tuple[torch.Tensor, torch.Tensor] | None = None
         self.block_size = self.blocks[0].processing.shape[0] if self.blocks else 0
         # [n] the block of each evicting block row, in block order
         self.block_of_rows = torch.repeat_interleave(
@@ -59,22 +61,30 @@ class FocusStepHooks(StepHooks):
                          dtype=torch.long))
 
     def before_attention(self, layer_input: LayerInput) -> RowSelection | None:
-        rows = [layer_input.current_rows(b.candidate_rows).to(self.device) for b in self.blocks]
-        kernels = [b.step_request.request.policy_config.pool_kernel for b in self.blocks]
-        self.importance[layer_input.layer] = step_candidate_importance(
-            layer_input.query, layer_input.key, rows, layer_input.scale, kernels)
+        if not self.blocks:
+            return None
+        rows = layer_input.current_rows(torch.cat([b.candidate_rows for b in self.blocks]))
+        rows = rows.to(self.device)
+        candidates = (layer_input.query[rows], layer_input.key[rows])  # [N, H(_kv), D]
         if layer_input.layer != self.eviction_layer:
+            self.first_layer = candidates
             return None
-        return self._select(layer_input)
+        # Both layers' candidates in one batch of 2P blocks: layer L - 1's, then layer L's.
+        sizes = [len(b.candidate_rows) for b in self.blocks]
+        block_rows = torch.arange(2 * len(rows), device=self.device).split(sizes * 2)
+        kernels = [b.step_request.request.policy_config.pool_kernel for b in self.blocks]
+        importance = step_candidate_importance(
+            torch.cat([self.first_layer[0], candidates[0]]),
+            torch.cat([self.first_layer[1], candidates[1]]),
+            list(block_rows), layer_input.scale, kernels * 2)
+        return self._select(layer_input, importance[:len(sizes)], importance[len(sizes):])
 
-    def _select(self, layer_input: LayerInput) -> RowSelection | None:
-        """Budgets and retained sets of every evicting block at once: tensor operations
-        over the step's blocks, one host copy (the retained sets)."""
+    def _select(self, layer_input: LayerInput, first: list[torch.Tensor | None],
+                second: list[torch.Tensor | None]) -> RowSelection | None:
+        """Budgets and retained sets of every evicting block at once (``first``,
+        ``second``: each block's candidate importance at layers L - 1 and L): tensor
+        operations over the step's blocks, one host copy (the retained sets)."""
         blocks = self.blocks
-        if not blocks:
-            return None
-        first, second = (self.importance[self.eviction_layer - 1],
-                         self.importance[self.eviction_layer])
         device = self.device
         candidates = torch.stack([b.candidates for b in blocks]).to(device)  # [P, B]
         processing = torch.stack([b.processing for b in blocks]).to(device)
