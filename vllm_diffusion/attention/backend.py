@@ -134,13 +134,14 @@ class BlockDiffusionAttentionImpl(AttentionImpl[BlockDiffusionMetadata]):
         # with a key selection.
         self.cpu_attention = (plan_segments, attend_segments)
         self.cpu_dense = segmented_block_causal_attention
-        self.cpu_write_kv = write_kv_with_vllm
+        # the KV write: vLLM's CPU kernel where its attention runs, else the torch path
+        self.write_kv = write_kv_with_vllm if current_platform.is_cpu() else write_kv
         if current_platform.is_cpu() and not cpu_kernel_supports(head_size):
             logger.info("vllm-diffusion: vLLM's CPU attention has no kernel for head size "
                         "%d; the padded torch attention runs instead", head_size)
             self.cpu_attention = (self._plan_padded, attend_padded)
             self.cpu_dense = padded_block_causal_attention
-            self.cpu_write_kv = write_kv
+            self.write_kv = write_kv
 
     def _plan_padded(self, query_positions, query_start_loc, kv_lens, block_table,
                      block_size, num_heads, kv_cache) -> PaddedPlan:
@@ -157,10 +158,9 @@ class BlockDiffusionAttentionImpl(AttentionImpl[BlockDiffusionMetadata]):
         rows = attn_metadata.rows
         n, n_kv = rows.num_queries, len(rows.slot_mapping)
         output[n:].zero_()  # rows past the step's: bucket padding (``StepRun``)
-        on_cuda = query.device.type == "cuda"
-        (write_kv if on_cuda else self.cpu_write_kv)(kv_cache, key[:n_kv], value[:n_kv],
-                                                     rows.slot_mapping)
+        self.write_kv(kv_cache, key[:n_kv], value[:n_kv], rows.slot_mapping)
         rows.finish_attention()  # rows dropped before this attention leave the key rows
+        on_cuda = query.device.type == "cuda"
         block_table, block_size = attn_metadata.block_table, attn_metadata.diffusion_block_size
         if rows.key_selection is None:
             if on_cuda:

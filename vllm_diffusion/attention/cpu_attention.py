@@ -80,14 +80,20 @@ def write_kv_with_vllm(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.T
     negative slots skipped), into the split arrangement its attention reads.
 
     key, value: [T, H_kv, D]; slot_mapping: [T] int64."""
+    key_cache, value_cache = _vllm_cache_halves(kv_cache)
+    ops.cpu_attn_reshape_and_cache(key.to(kv_cache.dtype).contiguous(),
+                                   value.to(kv_cache.dtype).contiguous(), key_cache,
+                                   value_cache, slot_mapping, portable_isa(kv_cache.shape[2]))
+
+
+def _vllm_cache_halves(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The key and value halves of a contiguous cache [num_pages, H_kv, page_size, 2D] as
+    vLLM's CPU kernels take them."""
     num_pages, num_kv_heads, page_size, two_d = kv_cache.shape
     if not kv_cache.is_contiguous():
         raise ValueError("vLLM's CPU attention needs a contiguous KV cache")
     halves = kv_cache.view(num_pages, num_kv_heads, 2 * page_size, two_d // 2)
-    key_cache, value_cache = halves.chunk(2, dim=2)
-    ops.cpu_attn_reshape_and_cache(key.to(kv_cache.dtype).contiguous(),
-                                   value.to(kv_cache.dtype).contiguous(), key_cache,
-                                   value_cache, slot_mapping, portable_isa(page_size))
+    return halves.chunk(2, dim=2)
 
 
 def attend_segments(query: torch.Tensor, kv_cache: torch.Tensor, plan: SegmentPlan,
@@ -96,11 +102,7 @@ def attend_segments(query: torch.Tensor, kv_cache: torch.Tensor, plan: SegmentPl
     output = torch.empty_like(query)
     if plan.num_rows == 0:
         return output
-    num_pages, num_kv_heads, page_size, two_d = kv_cache.shape
-    if not kv_cache.is_contiguous():
-        raise ValueError("vLLM's CPU attention needs a contiguous KV cache")
-    halves = kv_cache.view(num_pages, num_kv_heads, 2 * page_size, two_d // 2)
-    key_cache, value_cache = halves.chunk(2, dim=2)
+    key_cache, value_cache = _vllm_cache_halves(kv_cache)
     ops.cpu_attention_with_kv_cache(
         query=query.contiguous(), key_cache=key_cache, value_cache=value_cache,
         output=output, query_start_loc=plan.query_start_loc, seq_lens=plan.seq_lens,

@@ -66,7 +66,7 @@ def run_layers(model: nn.Module, input_ids: torch.Tensor, positions: torch.Tenso
     layers = islice(model.layers, model.start_layer, model.end_layer)
     if run is not None:
         segments = segments_for(model, list(layers), run.declared, run.compiled)
-        return segments.run(run, positions, input_ids)[1]
+        return segments.run(run, positions, input_ids)
     hidden, residual = model.embed_input_ids(input_ids), None
     for layer in layers:
         hidden, residual = layer(positions, hidden, residual)

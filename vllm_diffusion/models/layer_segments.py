@@ -93,8 +93,7 @@ def _input_guards(entries) -> list[bool]:
     objects for the process's life: the piece's layers (modules, hook dicts, parameters)
     and the modules and constants its code reads (as vLLM's own compiled forward drops
     every guard). Checking those cost about 0.27 ms per piece call on the default model."""
-    return [not entry.name or entry.name in _PIECE_INPUTS
-            or entry.name.split("[")[0].split(".")[0] in _PIECE_INPUTS
+    return [not entry.name or entry.name.split("[")[0].split(".")[0] in _PIECE_INPUTS
             for entry in entries]
 
 
@@ -117,10 +116,9 @@ class LayerSegments:
                                  and self.norm_in_last_piece else None))
             for first, last in boundaries]
 
-    def run(self, run, positions: torch.Tensor, input_ids: torch.Tensor
-            ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The model's forward with the run's hooks between the pieces; returns (positions,
-        final hidden states) of the rows that continue."""
+    def run(self, run, positions: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+        """The model's forward with the run's hooks between the pieces; returns the final
+        hidden states of the rows that continue (``run.rows`` names them)."""
         hidden, residual = input_ids, None
         q = k = v = None
         for first, last, piece in self.pieces:
@@ -141,7 +139,7 @@ class LayerSegments:
                     index, hidden + residual, hidden, residual, positions)
         if not self.norm_in_last_piece:
             hidden, _ = self.final_norm(hidden, residual)
-        return positions, hidden
+        return hidden
 
 
 _SEGMENTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
