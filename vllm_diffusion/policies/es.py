@@ -147,136 +147,135 @@ class EsState:
         self.hidden = {}
 
 
-def variation(hidden: torch.Tensor, previous: torch.Tensor,
-              segment: torch.Tensor, num_segments: int) -> torch.Tensor:
-    """[n] Eq. 1's variation term of n positions of ``num_segments`` blocks (``segment``:
-    [n] the block of each); hidden, previous: [n, d]. Divided, per block, by its maximum
-    when that exceeds 1."""
-    width = hidden.shape[-1]
-    change = (hidden - previous).abs().sum(dim=-1) / (
-        math.sqrt(width) * (previous.norm(dim=-1) + VARIATION_EPS))
-    largest = torch.ones(num_segments, device=change.device, dtype=change.dtype).scatter_reduce(
-        0, segment, change, reduce="amax")  # max(1, the block's maximum)
-    return change / largest[segment]
+def variation(hidden: torch.Tensor, previous: torch.Tensor) -> torch.Tensor:
+    """[n] Eq. 1's variation term before the per-block division: ||H - H'||_1 /
+    (sqrt(d) * ||H'||_2) of n positions; hidden, previous: [n, d]."""
+    return (hidden - previous).abs().sum(dim=-1) / (
+        math.sqrt(hidden.shape[-1]) * (previous.norm(dim=-1) + VARIATION_EPS))
 
 
-def first_by_segment(score: torch.Tensor, segment: torch.Tensor) -> torch.Tensor:
-    """[n] the order of n entries by segment, then score descending, then index (host)."""
-    by_score = torch.sort(score, descending=True, stable=True).indices
-    return by_score[torch.sort(segment[by_score], stable=True).indices]
-
-
-def rank_in_segment(score: torch.Tensor, segment: torch.Tensor,
-                    starts: torch.Tensor) -> torch.Tensor:
-    """[n] each entry's rank within its segment by score descending (ties to the left)."""
-    order = first_by_segment(score, segment)
-    rank = torch.empty_like(order)
-    rank[order] = torch.arange(len(order)) - starts[segment[order]]
-    return rank
+def rank_in_blocks(score: torch.Tensor) -> torch.Tensor:
+    """[R, B] each position's rank within its block by score descending (ties to the
+    left); score: [R, B] (-inf where a position is not in the forward)."""
+    order = torch.sort(score, dim=1, descending=True, stable=True).indices
+    return torch.empty_like(order).scatter_(
+        1, order, torch.arange(score.shape[1]).expand_as(order).contiguous())
 
 
 class EsHooks(StepHooks):
-    """The step's skipping, over every block at once: at each skip layer the entries are
-    the positions still in the forward, flat over the blocks (``segment``: their block).
-    Made only for steps with at least one block."""
+    """The step's skipping, over every block at once. The scores live on the host as [R, B]
+    grids over the blocks' positions (``present``: the positions still in the forward);
+    the layer outputs and caches are gathered as flat entries (``segment``: the block of
+    each). Made only for steps with at least one block."""
 
     def __init__(self, step: ForwardStep, skip_layers: tuple[int, ...],
                  mask_token_id: int) -> None:
         self.layers = LayerHooks(after_output=skip_layers)
-        self.depth = {layer: j + 1 for j, layer in enumerate(skip_layers)}
         self.requests = [s for s in step.requests if s.request is not None]
         self.states = [s.request.policy_state for s in self.requests]
-        self.configs = [s.request.policy_config for s in self.requests]
-        self.alpha = torch.tensor([c.alpha for c in self.configs])
-        self.skipping = torch.tensor([not state.full_step for state in self.states])
-        self.num_computed = [len(s.block_positions) for s in self.requests]
-        self.uses_bonuses = torch.tensor([c.priority_bonuses for c in self.configs])
-        if bool(self.skipping.any()):
-            # [R, B] (host): positions masked, each one's confidence at its last step, and
-            # the importance bonus of each (0 without the authors' bonuses)
-            self.masked = torch.stack([s.request.canvas.masked(mask_token_id)
-                                       for s in self.requests])
-            self.confidence = torch.stack([state.confidence for state in self.states])
-            self.bonus = self._fixed_bonuses()
-            # positions each block's previous step decoded (the keep floor's d)
-            self.decoded_counts = [int(s.decoded_last_step.sum()) for s in self.states]
-        # Per block, its computed positions still in the forward (indices into them).
-        self.alive = [torch.arange(len(s.block_positions)) for s in self.requests]
-
-    def _fixed_bonuses(self) -> torch.Tensor:
-        """[R, B] the bonuses that do not depend on the layer: leftmost masked position,
-        positions decoded by the previous step."""
-        bonus = torch.zeros(self.masked.shape)
-        uses = self.uses_bonuses
-        has_mask = self.masked.any(dim=1) & uses
-        leftmost = self.masked.int().argmax(dim=1)  # the first masked position
-        rows = torch.nonzero(has_mask).flatten()
-        bonus[rows, leftmost[rows]] += LEFTMOST_MASK_BONUS
+        configs = [s.request.policy_config for s in self.requests]
+        skipping = [not state.full_step for state in self.states]
+        self.skipping = any(skipping)
+        # The entries, flat over the blocks (host): the block of each, its block position
+        # and its step row; at first every computed position, then those still in the
+        # forward.
+        num_computed = [len(s.block_positions) for s in self.requests]
+        self.segment = torch.repeat_interleave(torch.arange(len(self.requests)),
+                                               torch.tensor(num_computed))
+        self.positions = torch.cat([s.block_positions for s in self.requests])
+        self.step_rows = torch.cat([s.block_rows for s in self.requests])
+        if not self.skipping:
+            return
+        # [R, B] (host): positions in the forward, masked, each one's confidence at its
+        # last step, and the importance bonus of each (0 without the authors' bonuses)
+        masked = torch.stack([s.request.canvas.masked(mask_token_id) for s in self.requests])
+        self.present = torch.zeros(masked.shape, dtype=torch.bool)
+        self.present[self.segment, self.positions] = True
+        self.confidence = torch.stack([state.confidence for state in self.states])
         decoded = torch.stack([s.decoded_last_step for s in self.states])
-        decoded &= (uses & (self.alpha < 1.0))[:, None]
-        return bonus + decoded * DECODED_BONUS
+        alpha = torch.tensor([c.alpha for c in configs])[:, None]  # [R, 1]
+        uses = torch.tensor([c.priority_bonuses for c in configs])[:, None]
+        self.alpha_terms = (alpha, 1 - alpha)
+        self.bonus = self._fixed_bonuses(masked, decoded, uses, alpha)
+        self.top_two_bonus = (uses & (alpha > 0.0)) * TOP_CONFIDENCE_BONUS  # [R, 1]
+        # Without the bonuses, the most confident masked position of each block continues.
+        self.guarded = masked & ~uses if not bool(uses.all()) else None
+        self.not_skipping = ~torch.tensor(skipping)[:, None]
+        # [R] per skip layer: the positions that continue past it (keep floor: the
+        # positions each block's previous step decoded)
+        decoded_counts = decoded.sum(dim=1).tolist()
+        self.keep_counts = {layer: torch.tensor([
+            keep_count(n, depth, c.skip_ratio, d, c.keep_floor)
+            for n, c, d in zip(num_computed, configs, decoded_counts)])[:, None]
+            for depth, layer in enumerate(skip_layers, start=1)}
+
+    def _fixed_bonuses(self, masked: torch.Tensor, decoded: torch.Tensor, uses: torch.Tensor,
+                       alpha: torch.Tensor) -> torch.Tensor:
+        """[R, B] the bonuses that do not depend on the layer: leftmost masked position,
+        positions decoded by the previous step (``decoded``: [R, B])."""
+        bonus = torch.zeros(masked.shape)
+        rows = torch.nonzero(masked.any(dim=1) & uses[:, 0]).flatten()
+        leftmost = masked.int().argmax(dim=1)  # the first masked position
+        bonus[rows, leftmost[rows]] += LEFTMOST_MASK_BONUS
+        return bonus + (decoded & uses & (alpha < 1.0)) * DECODED_BONUS
+
+    def _caches(self, layer: int, output: torch.Tensor) -> torch.Tensor:
+        """[R, B, d] every block's cached outputs of ``layer`` (zeros where none yet), as
+        one tensor whose rows become the blocks' caches (``EsState.hidden``)."""
+        empty = None
+        caches = []
+        for state in self.states:
+            cache = state.hidden.get(layer)
+            if cache is None:
+                if empty is None:
+                    empty = output.new_zeros(state.block_size, output.shape[1])
+                cache = empty
+            caches.append(cache)
+        stacked = torch.stack(caches)
+        for state, cache in zip(self.states, stacked):
+            state.hidden[layer] = cache
+        return stacked
 
     def after_output(self, layer_input: LayerInput) -> RowSelection | None:
         layer, hidden = layer_input.layer, layer_input.hidden
-        device, count = hidden.device, len(self.requests)
-        block_positions = [s.block_positions[a] for s, a in zip(self.requests, self.alive)]
-        sizes = torch.tensor([len(p) for p in block_positions])
-        segment = torch.repeat_interleave(torch.arange(count), sizes)  # [n]
-        positions = torch.cat(block_positions)
-        step_rows = torch.cat([s.block_rows[a] for s, a in zip(self.requests, self.alive)])
-        output = hidden[layer_input.current_rows(step_rows).to(device)].float()  # [n, d]
-        caches = []
-        for state in self.states:
-            if layer not in state.hidden:
-                state.hidden[layer] = output.new_zeros(state.block_size, output.shape[1])
-            caches.append(state.hidden[layer])
-        if not bool(self.skipping.any()):
-            self._store(caches, block_positions, output, sizes)
+        device = hidden.device
+        output = hidden[layer_input.current_rows(self.step_rows).to(device)].float()  # [n, d]
+        caches = self._caches(layer, output)
+        where = (self.segment.to(device), self.positions.to(device))
+        if not self.skipping:
+            caches[where] = output
             return None
-        previous = torch.cat([cache[where.to(device)]
-                              for cache, where in zip(caches, block_positions)])
-        confidence = self.confidence[segment, positions]  # [n] (host)
-        alpha = self.alpha[segment]
-        importance = (alpha * confidence + (1 - alpha) * variation(
-            output, previous, segment.to(device), count).cpu())
-        importance += self.bonus[segment, positions]
-        starts = torch.cumsum(sizes, 0) - sizes
-        uses = self.uses_bonuses
-        top_two = (rank_in_segment(confidence, segment, starts) < 2) & (
-            uses & (self.alpha > 0.0))[segment]
-        importance += top_two * TOP_CONFIDENCE_BONUS
-        # Without the bonuses, the most confident masked position of each block continues.
-        masked = self.masked[segment, positions]
-        by_confidence = first_by_segment(torch.where(masked, confidence, -1.0), segment)
-        best = by_confidence[starts]
-        best = best[masked[best] & ~uses[segment[best]]]
-        importance[best] = float("inf")
-        depth = self.depth[layer]
-        keep_counts = torch.tensor([
-            keep_count(n, depth, c.skip_ratio, decoded, c.keep_floor)
-            for n, c, decoded in zip(self.num_computed, self.configs, self.decoded_counts)])
-        continuing = ((rank_in_segment(importance, segment, starts) < keep_counts[segment])
-                      | ~self.skipping[segment])
+        grid = (self.segment, self.positions)  # the entries' places in the [R, B] grids
+        change = torch.zeros(self.present.shape).index_put_(
+            grid, variation(output, caches[where]).cpu())
+        # Eq. 1, the variation term divided by its block's maximum when that exceeds 1
+        alpha, rest = self.alpha_terms
+        importance = (alpha * self.confidence
+                      + rest * change / change.amax(dim=1, keepdim=True).clamp(min=1.0)
+                      + self.bonus)
+        absent = ~self.present
+        importance += ((rank_in_blocks(self.confidence.masked_fill(absent, -math.inf)) < 2)
+                       * self.top_two_bonus)
+        if self.guarded is not None:
+            best = torch.where(self.guarded & self.present, self.confidence,
+                               (-1.0 - 2.0 * absent.float())).argmax(dim=1, keepdim=True)
+            importance.scatter_(1, best, torch.where(
+                self.guarded.gather(1, best), math.inf, importance.gather(1, best)))
+        continuing = self.present & (
+            (rank_in_blocks(importance.masked_fill(absent, -math.inf))
+             < self.keep_counts[layer]) | self.not_skipping)  # [R, B]
+        kept = continuing[grid]  # [n]
         # The caches of the positions that continue (the authors' update rule).
-        self._store(caches, block_positions, output, sizes, continuing)
-        if bool(continuing.all()):
+        on_device = kept.to(device)
+        caches[where[0][on_device], where[1][on_device]] = output[on_device]
+        if bool(kept.all()):
             return None
         keep = torch.ones(len(layer_input.rows), dtype=torch.bool)
-        keep[layer_input.current_rows(step_rows[~continuing])] = False
-        self.alive = [a[c] for a, c in zip(self.alive, continuing.split(sizes.tolist()))]
+        keep[layer_input.current_rows(self.step_rows[~kept])] = False
+        self.present = continuing
+        self.segment, self.positions = self.segment[kept], self.positions[kept]
+        self.step_rows = self.step_rows[kept]
         return RowSelection(keep)
-
-    @staticmethod
-    def _store(caches: list[torch.Tensor], block_positions: list[torch.Tensor],
-               output: torch.Tensor, sizes: torch.Tensor,
-               continuing: torch.Tensor | None = None) -> None:
-        """Write each block's outputs of this layer into its cache (only ``continuing``)."""
-        split = sizes.tolist()
-        kept = continuing.split(split) if continuing is not None else [None] * len(caches)
-        for cache, where, rows, keep in zip(caches, block_positions, output.split(split), kept):
-            if keep is not None:
-                where, rows = where[keep], rows[keep.to(rows.device)]
-            cache[where.to(rows.device)] = rows
 
 
 EsRequest = DiffusionRequest[EsConfig, EsState]
