@@ -309,3 +309,42 @@ def test_a_resumed_block_keeps_the_decision_state(policy):
         assert bool(state.cache.processing_set().all())  # the block is recomputed
         policy_object.start_block(request, resumed=False)
         assert not bool(state.history.any())
+
+
+def test_es_caches_are_rows_of_one_step_tensor_until_a_request_leaves_the_steps():
+    """The skip layers' caches of a step are rows of one [R, B, d] tensor; a request that
+    is not in the next step copies its rows out, so it keeps no other request's caches
+    alive."""
+    from vllm_diffusion.policies.es import EsPolicy
+    from vllm_diffusion.step.hooks import ForwardStep, LayerInput, StepRequest
+    from vllm_diffusion.step.request import BlockCanvas, DiffusionRequest
+
+    block, width = 4, 6
+    policy = EsPolicy(block, 0, EsPolicy.config_cls())
+    policy.skip_layers = (2,)
+    requests = []
+    for name in ("a", "b"):
+        config = EsPolicy.config_cls()
+        request = DiffusionRequest(name, config, policy.new_state(config), False)
+        request.canvas = BlockCanvas(0, torch.zeros(block, dtype=torch.long))
+        policy.start_block(request, resumed=False)
+        requests.append(request)
+
+    def step(members):
+        parts = [StepRequest(r, range(i * block, (i + 1) * block),
+                             torch.arange(i * block, (i + 1) * block), torch.arange(block))
+                 for i, r in enumerate(members)]
+        hooks = policy.forward_hooks(ForwardStep(parts, block * len(members),
+                                                 torch.device("cpu")))
+        rows = torch.arange(block * len(members))
+        hooks.after_output(LayerInput(2, rows, hidden=torch.randn(len(rows), width)))
+        return hooks
+
+    hooks = step(requests)
+    first, second = (r.policy_state.hidden[2] for r in requests)
+    assert first.untyped_storage().data_ptr() == second.untyped_storage().data_ptr()
+    step(requests[:1])  # "b" is not in this step
+    left = requests[1].policy_state.hidden[2]
+    assert left.untyped_storage().data_ptr() != first.untyped_storage().data_ptr()
+    assert torch.equal(left, second) and left.untyped_storage().nbytes() == block * width * 4
+    assert hooks.states[1] is requests[1].policy_state

@@ -140,6 +140,11 @@ class EsState:
     # layer -> [B, hidden] float32 (model device): each position's last output of the layer
     hidden: dict[int, torch.Tensor] = dataclasses.field(default_factory=dict)
 
+    def own_caches(self) -> None:
+        """Copy the caches out of the step tensor they are rows of (``EsHooks._caches``),
+        so that a request out of the steps does not keep a whole step's caches alive."""
+        self.hidden = {layer: cache.clone() for layer, cache in self.hidden.items()}
+
     def start_block(self) -> None:
         self.kv_lost = True
         self.confidence = torch.zeros(self.block_size)
@@ -292,6 +297,7 @@ class EsPolicy(StrategyPolicy[EsConfig, EsState]):
                  engine_config: EsConfig) -> None:
         super().__init__(block_size, mask_token_id, engine_config)
         self.skip_layers: tuple[int, ...] = engine_config.skip_layers or ()
+        self.previous_states: list[EsState] = []  # the requests of the last step's hooks
 
     def bind_model(self, hf_config: Any, prefix_caching: bool) -> None:
         num_layers = hf_config.num_hidden_layers
@@ -333,7 +339,15 @@ class EsPolicy(StrategyPolicy[EsConfig, EsState]):
     def forward_hooks(self, step: ForwardStep) -> StepHooks | None:
         if not any(s.request is not None for s in step.requests):
             return None
-        return EsHooks(step, self.skip_layers, self.mask_token_id)
+        hooks = EsHooks(step, self.skip_layers, self.mask_token_id)
+        # The requests of the previous step that are not in this one (preempted, or
+        # waiting for a prefill chunk) take their caches out of that step's tensor.
+        present = {id(state) for state in hooks.states}
+        for state in self.previous_states:
+            if id(state) not in present:
+                state.own_caches()
+        self.previous_states = hooks.states
+        return hooks
 
     def choose_commits(self, batch: CommitBatch) -> torch.Tensor:
         """The strategy's commits among computed positions; then records every computed
