@@ -12,11 +12,8 @@ from __future__ import annotations
 
 import argparse
 import collections
-import json
-import pathlib
-import time
 
-from focus_overhead import timed
+from focus_overhead import timed, timed_rounds, write_report
 
 
 def main() -> None:
@@ -40,32 +37,14 @@ def main() -> None:
     es.EsHooks.__init__ = timed(totals, "hook_setup", es.EsHooks.__init__)
     es.EsHooks.after_output = timed(totals, "skip_layers", es.EsHooks.after_output)
     model = str(default_model_path())
-    reports = []
     with diffusion_llm(model, diffusion_block_size=args.block_size, max_model_len=1024,
                        max_num_seqs=args.batch_size, enforce_eager=False,
                        additional_config={"diffusion_policy": "es"}) as llm:
         prompts = chat_prompts(llm.get_tokenizer(), mixed_eval_examples(args.batch_size))
         params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
-        llm.generate(prompts[:2], params, use_tqdm=False)  # warm-up
-        for _ in range(args.rounds):
-            totals.clear()
-            steps = llm.collective_rpc("diffusion_stats")[0]["engine_steps"]
-            start = time.perf_counter()
-            llm.generate(prompts, params, use_tqdm=False)
-            wall = time.perf_counter() - start
-            steps = llm.collective_rpc("diffusion_stats")[0]["engine_steps"] - steps
-            reports.append({"engine_steps": steps, "wall_time_s": round(wall, 3),
-                            "ms_per_step": {k: round(1000 * v / max(steps, 1), 3)
-                                            for k, v in totals.items()},
-                            "es_share_of_wall_time": sum(totals.values()) / wall,
-                            "step_ms": 1000 * wall / max(steps, 1)})
-    shares = sorted(r["es_share_of_wall_time"] for r in reports)
-    report = {"model": model, "block_size": args.block_size, "batch_size": args.batch_size,
-              "rounds": reports, "median_es_share_of_wall_time": shares[len(shares) // 2]}
-    out = pathlib.Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2) + "\n")
-    print(json.dumps(report, indent=2))
+        reports = timed_rounds(llm, prompts, params, args.rounds, totals)
+    write_report({"model": model, "block_size": args.block_size,
+                  "batch_size": args.batch_size}, reports, args.out)
 
 
 if __name__ == "__main__":

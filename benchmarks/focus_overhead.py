@@ -35,6 +35,40 @@ def timed(totals: collections.Counter, name: str, fn):
     return wrapper
 
 
+def timed_rounds(llm, prompts: list, params, rounds: int,
+                 totals: collections.Counter) -> list[dict]:
+    """After a warm-up, ``rounds`` generations of ``prompts``: per round the engine steps,
+    the wall time and the seconds ``totals`` collected (the policy's own work), per step and
+    as a share of the wall time."""
+    llm.generate(prompts[:2], params, use_tqdm=False)  # warm-up
+    reports = []
+    for _ in range(rounds):
+        totals.clear()
+        steps = llm.collective_rpc("diffusion_stats")[0]["engine_steps"]
+        start = time.perf_counter()
+        llm.generate(prompts, params, use_tqdm=False)
+        wall = time.perf_counter() - start
+        steps = max(llm.collective_rpc("diffusion_stats")[0]["engine_steps"] - steps, 1)
+        own = sum(totals.values())
+        reports.append({"engine_steps": steps, "wall_time_s": round(wall, 3),
+                        "ms_per_step": {k: round(1000 * v / steps, 3)
+                                        for k, v in totals.items()},
+                        "own_ms_per_step": 1000 * own / steps,
+                        "share_of_wall_time": own / wall, "step_ms": 1000 * wall / steps})
+    return reports
+
+
+def write_report(setting: dict, reports: list[dict], out: str) -> None:
+    """Write and print the setting, the rounds and the median share of the wall time."""
+    shares = sorted(r["share_of_wall_time"] for r in reports)
+    report = {**setting, "rounds": reports,
+              "median_share_of_wall_time": shares[len(shares) // 2]}
+    path = pathlib.Path(out)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=2) + "\n")
+    print(json.dumps(report, indent=2))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=None)
@@ -65,35 +99,14 @@ def main() -> None:
                                       getattr(StepRows, name)))
     StepRun._keep = timed(totals, "row_compaction", StepRun._keep)
     model = str(args.model or default_model_path())
-    reports = []
     with diffusion_llm(model, diffusion_block_size=args.block_size, max_model_len=1024,
                        max_num_seqs=args.batch_size, enforce_eager=not args.compiled,
                        additional_config={"diffusion_policy": "focus"}) as llm:
         prompts = chat_prompts(llm.get_tokenizer(), mixed_eval_examples(args.batch_size))
         params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
-        llm.generate(prompts[:2], params, use_tqdm=False)  # warm-up
-        for _ in range(args.rounds):
-            totals.clear()
-            steps = llm.collective_rpc("diffusion_stats")[0]["engine_steps"]
-            start = time.perf_counter()
-            llm.generate(prompts, params, use_tqdm=False)
-            wall = time.perf_counter() - start
-            steps = llm.collective_rpc("diffusion_stats")[0]["engine_steps"] - steps
-            focus_total = sum(totals.values())
-            reports.append({"engine_steps": steps, "wall_time_s": round(wall, 3),
-                            "seconds": {k: round(v, 4) for k, v in totals.items()},
-                            "focus_share_of_wall_time": focus_total / wall,
-                            "focus_ms_per_step": 1000 * focus_total / max(steps, 1),
-                            "step_ms": 1000 * wall / max(steps, 1)})
-    shares = sorted(r["focus_share_of_wall_time"] for r in reports)
-    report = {"model": model, "block_size": args.block_size, "batch_size": args.batch_size,
-              "compiled": args.compiled, "rounds": reports,
-              "median_focus_share_of_wall_time": shares[len(shares) // 2]}
-    out = pathlib.Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2) + "\n")
-    print(json.dumps(report, indent=2))
-
+        reports = timed_rounds(llm, prompts, params, args.rounds, totals)
+    write_report({"model": model, "block_size": args.block_size,
+                  "batch_size": args.batch_size, "compiled": args.compiled}, reports, args.out)
 
 if __name__ == "__main__":
     main()

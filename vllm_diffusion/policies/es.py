@@ -262,8 +262,8 @@ class EsHooks(StepHooks):
         importance += ((rank_in_blocks(self.confidence.masked_fill(absent, -math.inf)) < 2)
                        * self.top_two_bonus)
         if self.guarded is not None:
-            best = torch.where(self.guarded & self.present, self.confidence,
-                               (-1.0 - 2.0 * absent.float())).argmax(dim=1, keepdim=True)
+            best = torch.where(self.guarded, self.confidence, -1.0).masked_fill(
+                absent, -math.inf).argmax(dim=1, keepdim=True)
             importance.scatter_(1, best, torch.where(
                 self.guarded.gather(1, best), math.inf, importance.gather(1, best)))
         continuing = self.present & (
