@@ -239,11 +239,16 @@ def test_what_cannot_compose_is_refused(checkpoint):
             with diffusion_llm(checkpoint, diffusion_block_size=8,
                                additional_config={"diffusion_policy": policy}):
                 pass
-    with pytest.raises(Exception, match="focus policy cannot serve LLaDA2.2: it serves "
-                       "LLaDA2.2 only with its full budget"):
+    with pytest.raises(Exception, match="focus policy cannot serve LLaDA2.2: it computes "
+                       "whole blocks only with its full budget"):
         with diffusion_llm(checkpoint, diffusion_block_size=8,
                            additional_config={"diffusion_policy": "focus",
                                               "intra_block_cache": False}):
+            pass
+    with pytest.raises(Exception, match="standard policy cannot serve LLaDA2.2: options "
+                       "'chunk_size' and 'chunk_reuse'"):
+        with diffusion_llm(checkpoint, diffusion_block_size=8,
+                           additional_config={"chunk_reuse": True, "editing_threshold": None}):
             pass
     with pytest.raises(Exception, match="multiple of it"):
         with diffusion_llm(checkpoint, diffusion_block_size=4):
@@ -252,6 +257,9 @@ def test_what_cannot_compose_is_refused(checkpoint):
                ({"logprobs": 1}, "logprobs"),
                ({"min_tokens": 2}, "min_tokens"),
                ({"extra_args": {"chunk_size": 4}}, "chunk_size"),
+               ({"extra_args": {"chunk_reuse": True, "editing_threshold": None}},
+                "standard policy cannot serve LLaDA2.2: options 'chunk_size' and "
+                "'chunk_reuse'"),
                ({"extra_args": {"strategy": "sequential"}}, "strategy"),
                ({"extra_args": {"max_steps_per_block": 5000}}, "max_steps_per_block_limit"),
                ({"extra_args": {"max_post_steps": 65}}, "max_post_steps_limit"),

@@ -120,8 +120,9 @@ def test_chunked_logits_give_the_same_proposals(name, max_rows):
     chunked = ProposalPipeline(MASK, max_rows=max_rows).propose_from_hidden(
         compute_logits, hidden, counts, params, generators())
     assert torch.equal(chunked.tokens, whole.tokens)
-    # a matmul over fewer rows may round differently in the last bit
-    torch.testing.assert_close(chunked.confidence, whole.confidence, rtol=1e-6, atol=1e-7)
+    # a matmul over fewer rows may round differently in the last bit (seen: 1.5e-6 relative
+    # in a probability on an AMD EPYC host)
+    torch.testing.assert_close(chunked.confidence, whole.confidence, rtol=1e-5, atol=1e-7)
     assert sum(shapes) == sum(counts)
     assert max(shapes) <= max(max_rows, max(counts))
 

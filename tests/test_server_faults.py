@@ -93,6 +93,47 @@ def test_bad_input_is_a_400_naming_the_problem(server, reference, fields, messag
     assert complete(server) == reference
 
 
+# Requests whose constraints bar every token at a position only the step can know (a
+# grammar, an overflowing penalty): answered with HTTP 400 and the reason, never a crash.
+STEP_FAILURES = [
+    ({"structured_outputs": {"regex": "[0-9]{3}"}, "allowed_token_ids": [5],
+      "temperature": 1.0, "seed": 1}, "no token satisfies the request's constraints"),
+    ({"structured_outputs": {"choice": ["yes", "no"]}, "bad_words": ["yes", "no", "y", "n"]},
+     "no token satisfies the request's constraints"),
+    ({"repetition_penalty": 1e-38, "temperature": 1.0, "seed": 1},
+     "are not finite under the request's sampling parameters (repetition_penalty=1e-38"),
+]
+
+
+@pytest.mark.parametrize("fields, message", STEP_FAILURES,
+                         ids=[json.dumps(f)[:60] for f, _ in STEP_FAILURES])
+def test_a_request_failing_in_the_step_gets_its_reason(server, reference, fields, message):
+    errors = failed_requests(server["url"])
+    response = post_json(f"{server['url']}/v1/chat/completions",
+                         {**chat_body(server, max_tokens=16), **fields}, timeout=30)
+    assert response.status_code == 400, response.text
+    assert message in response.json()["error"]["message"]
+    events = []
+    with requests.post(f"{server['url']}/v1/chat/completions", stream=True, timeout=30,
+                       json={**chat_body(server, max_tokens=16, stream=True), **fields}
+                       ) as streamed:
+        assert streamed.status_code == 200
+        events = [json.loads(line[6:]) for line in streamed.iter_lines()
+                  if line.startswith(b"data: {")]
+    assert message in events[-1]["error"]["message"] and events[-1]["error"]["code"] == 400
+    wait_until_idle(server["url"], timeout=30)
+    assert complete(server) == reference
+    assert failed_requests(server["url"]) == errors + 2
+
+
+def failed_requests(url: str) -> float:
+    """vLLM's count of requests finished with an error."""
+    text = requests.get(f"{url}/metrics", timeout=10).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("vllm:request_success_total{")
+               and 'finished_reason="error"' in line)
+
+
 def test_bad_request_next_to_good_ones_in_one_batch(server, reference):
     def send(i):
         fields = {"vllm_xargs": {"alpha": NAN}} if i % 4 == 1 else {

@@ -3,7 +3,8 @@
 Engine-wide options come from ``--additional-config`` (``LLM(additional_config=...)``) or
 ``--diffusion-policy``; keys are ``diffusion_policy``, ``diffusion_block_size``,
 ``mask_token_id``, ``diffusion_row_buckets`` (row counts a forward pads to after a policy
-drops rows, for CUDA graphs), ``diffusion_logits_memory_mib`` (the memory a step's logits may take at
+drops rows, for CUDA graphs), ``diffusion_max_steps_without_progress`` (a request that
+writes no token and ends no block in that many consecutive steps ends with an error), ``diffusion_logits_memory_mib`` (the memory a step's logits may take at
 once: they are computed and reduced to proposals in chunks of requests within it) and
 the chosen policy's options (``threshold``, ``strategy``, ...).
 Per-request overrides of the policy's options come from ``SamplingParams.extra_args``
@@ -21,8 +22,14 @@ from vllm_diffusion.policies import POLICIES
 
 DEFAULT_BLOCK_SIZE = 4  # SDAR's default
 DEFAULT_LOGITS_MEMORY_MIB = 256
+# Every decoding the engine runs writes a token or ends a block in each step that computes
+# the leftmost undecided position of a request's block (the policies commit at least one
+# available position; a grammar commits its leftmost one); a step computing none of the
+# masked positions writes nothing. 64 leaves room far above any such run.
+DEFAULT_MAX_STEPS_WITHOUT_PROGRESS = 64
 ENGINE_KEYS = ("diffusion_policy", "diffusion_block_size", "mask_token_id",
-               "diffusion_logits_memory_mib", "edit_token_ids", "diffusion_row_buckets")
+               "diffusion_logits_memory_mib", "edit_token_ids", "diffusion_row_buckets",
+               "diffusion_max_steps_without_progress")
 # Per-request keys that are not policy options; ``diffusion_policy`` is checked separately.
 REQUEST_KEYS = ("diffusion_policy", "return_step_map")
 _REQUEST_RULES = {"return_step_map": Rule(bool)}
@@ -46,6 +53,9 @@ class DiffusionEngineConfig:
     # graphs captured per count; padding rows are left out of attention, KV writes and
     # outputs.
     row_buckets: tuple[int, ...] | None = None
+    # A request that writes no token and ends no block in this many consecutive denoising
+    # steps ends with an error (no request runs forever)
+    max_steps_without_progress: int = DEFAULT_MAX_STEPS_WITHOUT_PROGRESS
 
     @property
     def policy(self) -> type:
@@ -63,6 +73,7 @@ class DiffusionEngineConfig:
             "diffusion_logits_memory_mib": self.logits_memory_mib,
             "edit_token_ids": self.edit_token_ids,
             "diffusion_row_buckets": self.row_buckets,
+            "diffusion_max_steps_without_progress": self.max_steps_without_progress,
             **dataclasses.asdict(self.policy_config),
         }
 
@@ -166,6 +177,10 @@ def parse_engine_options(values: Mapping[str, Any], *, config_block_size: int | 
         if list(row_buckets) != sorted(set(row_buckets)):
             raise OptionError(f"{source}: option 'diffusion_row_buckets' must be increasing, "
                               f"got {list(row_buckets)}")
+    max_steps_without_progress = Rule(int, low=1, high=1 << 20).check(
+        "diffusion_max_steps_without_progress",
+        values.pop("diffusion_max_steps_without_progress", DEFAULT_MAX_STEPS_WITHOUT_PROGRESS),
+        source)
     options = set(option_names(policy.config_cls))
     values = {**{k: v for k, v in (model_defaults or {}).items() if k in options}, **values}
     valid = set(ENGINE_KEYS) | options
@@ -178,7 +193,8 @@ def parse_engine_options(values: Mapping[str, Any], *, config_block_size: int | 
     policy_config = parse_options(policy.config_cls, values, source=source)
     policy_config.validate_for_block(block_size, source)
     return DiffusionEngineConfig(policy_name, block_size, mask_token_id, policy_config,
-                                 logits_memory_mib, edit_token_ids, row_buckets)
+                                 logits_memory_mib, edit_token_ids, row_buckets,
+                                 max_steps_without_progress)
 
 
 def engine_config_from_vllm(vllm_config: Any) -> DiffusionEngineConfig:

@@ -14,6 +14,7 @@ from typing import Any
 from vllm.logger import init_logger
 from vllm.model_executor.models.config import VerifyAndUpdateConfig
 
+from vllm_diffusion.combinations import combination_refusal, model_needs
 from vllm_diffusion.config import parse_engine_options, store_resolved
 from vllm_diffusion.policies import POLICIES
 from vllm_diffusion.policies.joint_editing import edit_tokens_of
@@ -55,12 +56,14 @@ LLADA22_DEFAULTS = {"threshold": 0.5, "editing_threshold": 0.0,
 
 def refuse_policy_for_llada22(engine_options: dict[str, Any]) -> None:
     """Before the options are parsed (so that the reason is LLaDA2.2's, not a consequence
-    of its editing defaults): raise ``ValueError`` where the policy cannot serve it."""
-    name = engine_options.get("diffusion_policy", "standard")
-    policy = POLICIES.get(name)
-    reason = policy.llada22_refusal(engine_options) if policy is not None else None
+    of its editing defaults): raise ``ValueError`` where the policy cannot serve it
+    (``combinations.py``, the same check every request's options get)."""
+    policy = POLICIES.get(engine_options.get("diffusion_policy", "standard"))
+    reason = (None if policy is None
+              else combination_refusal(model_needs(routes_per_block=True), policy,
+                                       engine_options))
     if reason is not None:
-        raise ValueError(f"the {name} policy cannot serve LLaDA2.2: {reason}")
+        raise ValueError(reason)
 
 
 def check_llada22(config: Any, policy: Any, routing_block_size: int) -> None:
@@ -71,7 +74,9 @@ def check_llada22(config: Any, policy: Any, routing_block_size: int) -> None:
             f"LLaDA2.2 routes experts per block of {routing_block_size} tokens (config "
             f"block_size); the diffusion block size ({config.block_size}) must be a "
             f"multiple of it")
-    assert policy.rewrites_blocks(), config.policy_name  # llada22_refusal said it could
+    if not policy.rewrites_blocks():
+        raise ValueError(f"the {config.policy_name} policy does not decode by LLaDA2.2's "
+                         f"joint editing loop; use the standard policy")
 
 
 class DiffusionModelConfigHook(VerifyAndUpdateConfig):

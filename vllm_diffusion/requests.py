@@ -6,12 +6,14 @@ with an error naming it (HTTP 400 from the server); nothing is silently ignored.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 from typing import Any
 
 from vllm.exceptions import VLLMValidationError
 
+from vllm_diffusion.combinations import combination_refusal, model_needs
 from vllm_diffusion.config import DiffusionEngineConfig, wants_step_map
 from vllm_diffusion.options import OptionError, shown
 from vllm_diffusion.worker.grammar import ROLLBACK_BACKENDS
@@ -42,6 +44,11 @@ def _check_numbers(params: Any) -> None:
         if isinstance(value, float) and not math.isfinite(value):
             raise VLLMValidationError(f"{name} must be a finite number, got {shown(value)}",
                                       parameter=name, value=shown(value))
+    for token, bias in (params.logit_bias or {}).items():
+        if not isinstance(bias, (int, float)) or not math.isfinite(bias):
+            raise VLLMValidationError(
+                f"logit_bias must map token ids to finite numbers, got {shown(bias)} for "
+                f"token {shown(token)}", parameter="logit_bias", value=shown(bias))
     seed = params.seed
     if seed is not None and not _SEED_RANGE[0] <= seed <= _SEED_RANGE[1]:
         raise VLLMValidationError(
@@ -91,6 +98,10 @@ def _check_joint_editing(params: Any, config: DiffusionEngineConfig,
                 "option 'max_steps_per_block' caps LLaDA2.2's joint editing loop; this "
                 "model does not decode by it, remove the option", parameter="extra_args")
         return
+    refused = combination_refusal(model_needs(config.edit_token_ids is not None), config.policy,
+                                  dataclasses.asdict(policy_config))
+    if refused is not None:
+        raise VLLMValidationError(f"extra_args: {refused}", parameter="extra_args")
     why = "LLaDA2.2's joint editing (DELETE / SPLIT edits move tokens within a block)"
     refusals = (
         ("temperature", params.temperature >= _EPS,
@@ -101,14 +112,8 @@ def _check_joint_editing(params: Any, config: DiffusionEngineConfig,
         ("bad_words", bool(params.bad_words), "bad words are barred at fixed positions"),
         ("min_tokens", bool(params.min_tokens), "min_tokens bars stop tokens at fixed "
          "output positions"),
-        ("extra_args", getattr(policy_config, "chunk_size", None) is not None,
-         "option 'chunk_size' computes part of a block, which block routing cannot do"),
         ("extra_args", getattr(policy_config, "strategy", None) != "low_confidence_dynamic",
          "option 'strategy': it unmasks by its own rule (its threshold and quota schedule)"),
-        ("extra_args", bool(getattr(policy_config, "evict", False)
-                            or getattr(policy_config, "intra_block_cache", False)),
-         "FOCUS's 'evict' and 'intra_block_cache' compute part of a block, which block "
-         "routing cannot do; set both to false"),
         ("structured_outputs", params.structured_outputs is not None
          and not params.structured_outputs.all_constraints_none(),
          "a grammar follows tokens at fixed positions"),
@@ -140,6 +145,33 @@ def _check_structured_outputs(params: Any, config: DiffusionEngineConfig,
                "cannot follow; remove editing_threshold from this request")
     if params.logprobs is not None or params.logprob_token_ids:
         refuse("logprobs of grammar-forced tokens are not defined yet; remove logprobs")
+
+
+def validate_satisfiable(params: Any, config: DiffusionEngineConfig, vocab_size: int) -> None:
+    """After vLLM resolved the request's stop tokens and bad words' tokenizations: refuse
+    what leaves no token for the first output position whatever the model proposes --
+    ``allowed_token_ids`` minus the mask token and every one-token bad word, minus the
+    stop tokens while ``min_tokens`` bars them. (What a grammar or neighbouring tokens
+    bar is known only in the step, which ends such a request with an error.)"""
+    allowed = (set(range(vocab_size)) if params.allowed_token_ids is None
+               else set(params.allowed_token_ids))
+    barred = {config.mask_token_id}
+    why = ["the mask token"]
+    one_token_words = {word[0] for word in params.bad_words_token_ids or () if len(word) == 1}
+    if one_token_words & allowed:
+        barred |= one_token_words
+        why.append("bad_words")
+    if params.min_tokens and params.all_stop_token_ids:
+        barred |= set(params.all_stop_token_ids)
+        why.append(f"min_tokens={params.min_tokens} (its stop tokens "
+                   f"{sorted(params.all_stop_token_ids)})")
+    if allowed - barred:
+        return
+    named = ("allowed_token_ids" if params.allowed_token_ids is not None else "the vocabulary")
+    raise VLLMValidationError(
+        f"no token is left for the output: {named} minus {', '.join(why)} is empty",
+        parameter="allowed_token_ids" if params.allowed_token_ids is not None else "bad_words",
+        value=shown(params.allowed_token_ids))
 
 
 def validate_prompt_ids(prompt_ids: Sequence[int] | None,

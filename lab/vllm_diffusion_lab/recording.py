@@ -150,7 +150,7 @@ class RecordingPolicy(DecodingPolicy):
         return self.inner.choose_edits(batch)
 
     @classmethod
-    def llada22_refusal(cls, engine_options: Any) -> str | None:
+    def partial_block_reason(cls, options: Any) -> str | None:
         return "importance recording studies SDAR-style decoding, not LLaDA2.2's"
 
     def rewrites_blocks(self) -> bool:

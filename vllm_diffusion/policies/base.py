@@ -64,16 +64,13 @@ class DecodingPolicy(abc.ABC, Generic[ConfigT, StateT]):
         self.engine_config = engine_config  # the engine's defaults of config_cls
 
     @classmethod
-    def llada22_refusal(cls, engine_options: Mapping[str, Any]) -> str | None:
-        """Why this policy, with these engine options (``additional_config`` as given),
-        cannot decode LLaDA2.2, or None where it can: every forward must compute whole
-        blocks (its block routing pools experts over all of a routing block's tokens) and
-        the commit rule must be the joint loop (``unmasking.StrategyPolicy`` runs it)."""
-        return ("it computes part of a block in some forwards (LLaDA2.2's block routing "
-                "chooses each routing block's experts from all of its tokens, so the pool "
-                "would be chosen from the rows present only) or does not unmask by the "
-                "strategies (LLaDA2.2 decodes by its joint editing loop); use the standard "
-                "policy")
+    def partial_block_reason(cls, options: Mapping[str, Any]) -> str | None:
+        """Why this policy, with ``options`` (given ones; absent ones take their defaults),
+        computes part of a block in some forward or unmasks by a rule other than the
+        strategies, or None where every forward computes whole blocks and the commit rule
+        is the strategies' (``combinations.py`` checks it against the model's needs)."""
+        return ("it computes part of a block in some forwards or does not unmask by the "
+                "strategies; use the standard policy")
 
     def bind_model(self, hf_config: Any, prefix_caching: bool) -> None:
         """Check that the policy (with the engine's options) can run on this model and with

@@ -28,10 +28,10 @@ class StandardPolicy(StrategyPolicy[StandardConfig, ChunkWindow]):
     config_cls: ClassVar[type] = StandardConfig
 
     @classmethod
-    def llada22_refusal(cls, engine_options: Mapping[str, Any]) -> str | None:
-        if engine_options.get("chunk_size") is not None:
-            return ("option 'chunk_size' computes part of a block in a forward, which "
-                    "LLaDA2.2's block routing cannot do; remove it")
+    def partial_block_reason(cls, options: Mapping[str, Any]) -> str | None:
+        if options.get("chunk_size") is not None or options.get("chunk_reuse", False):
+            return ("options 'chunk_size' and 'chunk_reuse' compute part of a block in a "
+                    "forward; remove them")
         return None
 
     def new_state(self, config: StandardConfig) -> ChunkWindow:

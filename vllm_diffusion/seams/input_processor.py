@@ -1,7 +1,8 @@
 """``InputProcessor``: request admission for the plugin's models (patches/README.md row
-3). Unsupported sampling parameters, invalid per-request policy options and prompts
-containing the mask token are rejected with a ``VLLMValidationError`` (HTTP 400), before
-the request reaches the engine."""
+3). Unsupported sampling parameters, invalid per-request policy options, prompts
+containing the mask token and constraints that leave no token for the output (checked
+once vLLM has resolved the stop tokens and bad words) are rejected with a
+``VLLMValidationError`` (HTTP 400), before the request reaches the engine."""
 
 from __future__ import annotations
 
@@ -29,12 +30,14 @@ def install() -> None:
     from vllm.sampling_params import SamplingParams
     from vllm.v1.engine.input_processor import InputProcessor
 
-    from vllm_diffusion.requests import validate_prompt_ids, validate_sampling_params
+    from vllm_diffusion.requests import (validate_prompt_ids, validate_sampling_params,
+                                         validate_satisfiable)
 
     if not first_wrap(InputProcessor):
         return
     original_validate_params = InputProcessor._validate_params
     original_validate_model_input = InputProcessor._validate_model_input
+    original_process_inputs = InputProcessor.process_inputs
 
     def _validate_params(self, params, supported_tasks):
         result = original_validate_params(self, params, supported_tasks)
@@ -49,5 +52,14 @@ def install() -> None:
         if config is not None and prompt_input.get("type") != "embeds":
             validate_prompt_ids(prompt_input.get("prompt_token_ids"), config)
 
+    def process_inputs(self, *args, **kwargs):
+        request = original_process_inputs(self, *args, **kwargs)
+        config = diffusion_config(self)
+        if config is not None and request.sampling_params is not None:
+            validate_satisfiable(request.sampling_params, config,
+                                 self.vllm_config.model_config.get_vocab_size())
+        return request
+
     InputProcessor._validate_params = _validate_params
+    InputProcessor.process_inputs = process_inputs
     InputProcessor._validate_model_input = _validate_model_input

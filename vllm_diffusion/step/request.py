@@ -102,6 +102,9 @@ class DiffusionRequest(Generic[ConfigT, StateT]):
     # state the emitted output (``worker/grammar.py``); None without structured output
     grammar: Any = None
     bounds: OutputBounds = OutputBounds()
+    # consecutive denoising steps that wrote no token and ended no block (the runner ends
+    # the request at the engine's limit)
+    steps_without_progress: int = 0
 
     def block_for(self, block_start: int, fixed: list[int], block_size: int,
                   mask_token_id: int) -> BlockCanvas:

@@ -11,15 +11,20 @@ state is the emitted output. In a step:
 
 1. the grammar's mask at F is applied to F's logits (the ``grammar`` logit stage), so F's
    proposal and its confidence are the constrained ones;
-2. the walk (``walk``): from F rightwards over the positions computed this step: where
-   the grammar forces text (xgrammar's jump-forward string, tokenized by the model's
-   tokenizer, all but its last token; or a single allowed token) those tokens are the
-   candidates, with confidence 1, whatever the model proposed; elsewhere the candidate is the model's proposal if the
-   grammar accepts it; the walk stops at the first position with neither, at a position
-   not computed this step, or once the grammar is complete; the matcher is rolled back;
+2. the walk (``walk``): from F rightwards over the positions computed this step with a
+   valid proposal: where the grammar forces text (xgrammar's jump-forward string,
+   tokenized by the model's tokenizer as text -- a special token's literal stays
+   characters --, all but its last token; or a single allowed token) those tokens are
+   the candidates, with confidence 1, whatever the model proposed; elsewhere the
+   candidate is the model's proposal if the grammar accepts it. Every candidate must
+   also pass the request's own rules (``constraints.PositionRules``: allowed ids, the
+   stops ``min_tokens`` bars, bad words with the walked tokens as context); a forced
+   text whose first token the matcher or the rules refuse falls back to the bitmask at
+   that position. The walk stops at the first position with no candidate, at a position
+   not computed, or once the grammar is complete; the matcher is rolled back;
 3. the policy chooses commits among the walked positions (its usual rule, with the
-   candidates and their confidences); only the run contiguous from F is kept, and F is
-   always committed (every step makes progress);
+   candidates and their confidences); F is added (every step makes progress); the
+   bad-words undo (``bad_words.py``) runs; then only the run contiguous from F is kept;
 4. the emitted tokens advance the matcher.
 
 Nothing the grammar forbids is ever committed. Positions after F are proposed without the
@@ -88,7 +93,12 @@ class GrammarCompiler:
         matcher = getattr(grammar, "matcher", None)
         find = getattr(matcher, "find_jump_forward_string", None)
         text = find() if find is not None else ""
-        return self.tokenizer.encode(text, add_special_tokens=False)[:-1] if text else []
+        if not text:
+            return []
+        # Forced text is text: a special token's literal inside it (``<|im_end|>``) is
+        # the characters, as the grammar means them, not the special token.
+        return self.tokenizer.encode(text, add_special_tokens=False,
+                                     split_special_tokens=True)[:-1]
 
     def allowed(self, grammar: Any) -> torch.Tensor:
         """[W] int32: the grammar's bitmask of the tokens allowed next (bit t % 32 of word
@@ -124,37 +134,56 @@ class Walk:
 
 
 def walk(compiler: GrammarCompiler, grammar: Any, req_id: str, proposals: list[int],
-         confidence: list[float], computed: list[bool], first: int,
-         first_bitmask: torch.Tensor | None = None) -> Walk:
+         confidence: list[float], usable: list[bool], first: int,
+         first_bitmask: torch.Tensor | None = None, rules: Any = None) -> Walk:
     """The walk from block position ``first`` (F); see the module docstring. proposals,
-    confidence, computed: the block's positions this step; first_bitmask: the grammar's
-    bitmask at F when already filled this step. Leaves the matcher as it was."""
+    confidence: the block's positions this step; usable: the positions computed this step
+    with a valid proposal; first_bitmask: the grammar's bitmask at F when already filled
+    this step; rules: the request's ``constraints.PositionRules`` that a forced token
+    and a proposal pass (None: no such constraint). Leaves the matcher as it was."""
     result = Walk([], [])
     vocab = compiler.vocab_size
+    walked: dict[int, int] = {}
     position = first
-    while position < len(proposals) and computed[position] and not grammar.is_terminated():
-        # The text the grammar forces from here, then one position by its mask.
-        forced = compiler.jump_forward(grammar)
-        if not forced:
-            bitmask = (first_bitmask if position == first and first_bitmask is not None
-                       else compiler.allowed(grammar))
-            only = forced_token(bitmask, vocab)
-            if only is not None:
-                forced = [only]
-            elif not is_allowed(bitmask, proposals[position]):
-                break
-        candidates = forced or [proposals[position]]
+
+    def take(tokens: list[int], forced: bool) -> int:
+        """Accept ``tokens`` from ``position`` on while each is usable there, admitted
+        by the request's rules (the walked tokens as context) and accepted by the
+        matcher; returns how many."""
+        nonlocal position
         taken = 0
-        for token in candidates:
-            if (position >= len(proposals) or not computed[position]
-                    or grammar.is_terminated() or not grammar.accept_tokens(req_id, [token])):
+        for token in tokens:
+            if (position >= len(proposals) or not usable[position]
+                    or grammar.is_terminated()
+                    or (rules is not None and not rules.admits(position, token, walked))
+                    or not grammar.accept_tokens(req_id, [token])):
                 break
             compiler.stats.grammar_accepts += 1
             result.tokens.append(token)
             result.confidence.append(1.0 if forced else confidence[position])
+            walked[position] = token
             position += 1
             taken += 1
-        if taken < len(candidates):
+        return taken
+
+    while position < len(proposals) and usable[position] and not grammar.is_terminated():
+        # The text the grammar forces from here; where there is none, or its first token
+        # is refused (by the matcher, e.g. a special token's literal text tokenized into
+        # the special token, or by the request's rules), one position by the bitmask.
+        forced = compiler.jump_forward(grammar)
+        taken = take(forced, True) if forced else 0
+        if forced and taken == len(forced):
+            continue
+        if taken:
+            break  # the rest of the forced text is the model's to propose next step
+        bitmask = (first_bitmask if position == first and first_bitmask is not None
+                   else compiler.allowed(grammar))
+        only = forced_token(bitmask, vocab)
+        if only is not None:
+            taken = take([only], True)
+        elif is_allowed(bitmask, proposals[position]):
+            taken = take([proposals[position]], False)
+        if not taken:
             break
     if result.tokens:
         grammar.rollback(len(result.tokens))
@@ -178,6 +207,20 @@ class GrammarStep:
                       else -1 for g, m in zip(self.grammars, masked)]
         self.walks: list[Walk | None] = [None] * len(grammars)
         self.first_bitmasks: list[torch.Tensor | None] = [None] * len(grammars)  # [W] each
+        # block -> the exception its matcher raised; that block is left alone afterwards
+        self.errors: dict[int, Exception] = {}
+
+    def take_errors(self, doing: str) -> dict[int, tuple[str, Exception]]:
+        """The blocks whose matcher raised since the last call, with ``doing``."""
+        errors = {block: (doing, err) for block, err in self.errors.items()}
+        self.errors.clear()
+        return errors
+
+    def _drop(self, block: int, err: Exception) -> None:
+        """A matcher raised: the block's request fails alone; its grammar is left alone."""
+        self.errors[block] = err
+        self.grammars[block] = None
+        self.first[block] = -1
 
     @property
     def active(self) -> bool:
@@ -198,32 +241,52 @@ class GrammarStep:
             if grammar is None or len(hit) == 0:
                 masks.append(None)
                 continue
-            bitmask = self.compiler.allowed(grammar)
+            try:
+                bitmask = self.compiler.allowed(grammar)
+            except Exception as err:  # noqa: BLE001 - isolated to this request
+                self._drop(block, err)
+                masks.append(None)
+                continue
             self.first_bitmasks[block] = bitmask  # the walk starts from the same state
             masks.append((int(hit[0]), unpack(bitmask, self.compiler.vocab_size)))
         return masks
 
     def constrain(self, proposals: torch.Tensor, confidence: torch.Tensor,
-                  available: torch.Tensor, computed: torch.Tensor) -> None:
+                  available: torch.Tensor, usable: torch.Tensor,
+                  rules: list[Any] | None = None) -> None:
         """Walk every grammar block (in place, [R, B] each): its walked positions get their
-        candidates and confidences and are the only ones available to commit."""
+        candidates and confidences and are the only ones available to commit. usable:
+        [R, B] positions computed with a valid proposal; rules: per block, its request's
+        ``constraints.PositionRules`` or None."""
         for block, (grammar, first) in enumerate(zip(self.grammars, self.first)):
             if grammar is None:
                 continue
             available[block] = False
             if first < 0:
                 continue
-            found = walk(self.compiler, grammar, self.req_ids[block],
-                         proposals[block].tolist(), confidence[block].tolist(),
-                         computed[block].tolist(), first, self.first_bitmasks[block])
+            try:
+                found = walk(self.compiler, grammar, self.req_ids[block],
+                             proposals[block].tolist(), confidence[block].tolist(),
+                             usable[block].tolist(), first, self.first_bitmasks[block],
+                             None if rules is None else rules[block])
+            except Exception as err:  # noqa: BLE001 - isolated to this request
+                self._drop(block, err)
+                continue
             self.walks[block] = found
             span = slice(first, first + len(found.tokens))
             proposals[block, span] = torch.tensor(found.tokens, dtype=proposals.dtype)
             confidence[block, span] = torch.tensor(found.confidence, dtype=confidence.dtype)
             available[block, span] = True
 
+    def include_first(self, commits: torch.Tensor) -> None:
+        """F is committed in every grammar block whose walk took it ([R, B] in place)."""
+        for block, found in enumerate(self.walks):
+            if found is not None and found.tokens:
+                commits[block, self.first[block]] = True
+
     def restrict(self, commits: torch.Tensor) -> None:
-        """Keep each grammar block's commits to the run contiguous from F (F always)."""
+        """Keep each grammar block's commits to the run contiguous from F ([R, B] in
+        place; after ``include_first`` and the bad-words undo)."""
         for block, found in enumerate(self.walks):
             if self.grammars[block] is None:
                 continue
@@ -232,7 +295,7 @@ class GrammarStep:
             if not found or not found.tokens:
                 continue
             first = self.first[block]
-            end = first + 1
+            end = first
             while end < first + len(found.tokens) and bool(chosen[end]):
                 end += 1
             commits[block, first:end] = True

@@ -15,6 +15,8 @@ import torch
 
 from vllm.v1.outputs import ModelRunnerOutput
 
+from vllm_diffusion.step.failures import NoProgress, UnsatisfiableRequest
+
 
 @dataclasses.dataclass
 class DiffusionRunnerOutput(ModelRunnerOutput):
@@ -37,8 +39,9 @@ class DiffusionRunnerOutput(ModelRunnerOutput):
     # req_id -> the denoising step that unmasked each of its output tokens so far (only
     # for requests that asked for a step map and emitted tokens this step).
     step_maps: dict[str, list[int]] = dataclasses.field(default_factory=dict)
-    # req_id -> why the host-side policy work of that request failed this step; the
-    # scheduler finishes exactly these requests with an error.
+    # req_id -> why that request's host-side step work failed this step, as its
+    # ``stop_reason`` (``step.failures.Failure``); the scheduler finishes exactly these
+    # requests with an error.
     failed_requests: dict[str, str] = dataclasses.field(default_factory=dict)
 
 
@@ -77,6 +80,15 @@ class DiffusionStats:
     commits_reused: int = 0  # blocks committed with their last forward's KV (stable end)
     grammar_fills: int = 0  # structured output: matcher bitmask fills
     grammar_accepts: int = 0  # structured output: tokens advanced through a matcher
+    requests_failed: int = 0  # requests the runner ended with an error (all causes)
+    requests_unsatisfiable: int = 0  # of them: no token left where the output needed one
+    requests_without_progress: int = 0  # of them: the no-progress limit reached
+
+    def count_failure(self, err: Exception) -> None:
+        """A request the runner ended with ``err`` (``step.failures``)."""
+        self.requests_failed += 1
+        self.requests_unsatisfiable += isinstance(err, UnsatisfiableRequest)
+        self.requests_without_progress += isinstance(err, NoProgress)
 
     def add_layer_rows(self, counts: list[int]) -> None:
         """Add a step's block rows per layer (``counts[l]``: rows layer l computed)."""

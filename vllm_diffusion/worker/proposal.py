@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -46,7 +47,13 @@ from vllm_diffusion.worker.logprobs import (
     top_count,
     wants_logprobs,
 )
-from vllm_diffusion.worker.sampling import draw_for_requests
+from vllm_diffusion.worker.sampling import (
+    ROW_FAILED,
+    ROW_NO_TOKEN,
+    ROW_NOT_FINITE,
+    ROW_VALID,
+    draw_for_requests,
+)
 
 
 @dataclasses.dataclass
@@ -209,6 +216,16 @@ STAGES = (*LOGIT_STAGES, "mask_token", "temperature", "top_k_top_p", "draw", "co
 
 
 CONFIDENCE_RULES = ("sampled_token", "max_probability")
+
+
+def invalid_rows(logits: torch.Tensor) -> torch.Tensor:
+    """[n, V] -> [n] int8: each row's ``ROW_*`` code, from one reduction: a row's maximum
+    is -inf when every token is barred, NaN or +inf when a logit is NaN or overflowed."""
+    row_max = logits.amax(dim=-1)
+    return torch.where(row_max == float("-inf"), ROW_NO_TOKEN,
+                       torch.where(torch.isfinite(row_max), ROW_VALID,
+                                   ROW_NOT_FINITE)).to(torch.int8)
+
 # fp32 [rows, V] tensors a chunk's proposals hold at once at most: its logits, their
 # scaled and filtered copies and the probabilities (the sampled path's sort holds two).
 # A request asking for logprobs adds one: its rows' raw (or processed) logits.
@@ -247,6 +264,9 @@ class Proposals:
     # [n, r] int64, each row's r best tokens in order (after the logit stages), where the
     # pipeline keeps them (``ranked``); None otherwise
     ranked: torch.Tensor | None = None
+    # [n] int8: ``ROW_VALID``, or why the row's proposal means nothing (``ROW_NO_TOKEN``:
+    # the logit stages left no token; ``ROW_NOT_FINITE``: a logit is NaN or overflowed)
+    invalid: torch.Tensor | None = None
 
     @staticmethod
     def concat(parts: list[Proposals]) -> Proposals:
@@ -295,10 +315,13 @@ class ProposalPipeline:
         for stage in self.logit_stages:
             stage(batch)
         batch.logits[:, self.mask_token_id] = float("-inf")
+        # Caught here, where they arise: a row without a token or with non-finite logits
+        # is drawn from a harmless stand-in and flagged, never committed.
+        invalid = invalid_rows(batch.logits)
         drawn = draw_for_requests(batch.logits, counts, params, generators,
                                   max_probability=self.max_probability,
-                                  with_entropy=with_entropy)
-        proposals = Proposals(*drawn)
+                                  with_entropy=with_entropy, invalid=invalid)
+        proposals = Proposals(*drawn, invalid=invalid)
         if self.ranked:
             proposals.ranked = batch.logits.topk(self.ranked, dim=-1).indices
         if logprob_rows is not None:
@@ -319,29 +342,69 @@ class ProposalPipeline:
                             generators: list, output_index: torch.Tensor | None = None,
                             seen_tokens: list | None = None, with_entropy: bool = False,
                             output_canvas: list | None = None,
-                            grammar_rows: list | None = None) -> Proposals:
+                            grammar_rows: list | None = None,
+                            errors: dict[int, Exception] | None = None) -> Proposals:
         """``propose`` of ``compute_logits(hidden)`` ([n, H] -> [n, V]), computed a chunk of
         whole requests at a time so that at most ``max_rows`` rows of logits exist at once
         (bounded memory whatever the batch and block). Each request's draws use its own
         generator (or the global one) in request order, as in one call, so the proposals
-        are the same as without chunks."""
+        are the same as without chunks.
+
+        With ``errors``, a failure stays with its request: where a chunk raises, its
+        requests are proposed one at a time, and a request that raises alone is recorded
+        in ``errors`` (its index -> the exception) and its rows are proposed greedily
+        without its constraints and flagged ``ROW_FAILED`` (never committed)."""
+        def propose_range(first: int, last: int, row: int, stand_in: Any = None
+                          ) -> Proposals:
+            """Requests [first, last) from hidden row ``row``; ``stand_in``: one request's
+            plain parameters in place of its own (no per-row context then)."""
+            rows = sum(counts[first:last])
+            own = stand_in is None
+            return self.propose(
+                compute_logits(hidden[row:row + rows]), counts[first:last],
+                params[first:last] if own else [stand_in], generators[first:last],
+                None if output_index is None or not own else output_index[row:row + rows],
+                None if seen_tokens is None or not own else seen_tokens[first:last],
+                with_entropy,
+                None if output_canvas is None or not own else output_canvas[first:last],
+                logprobs_k,
+                None if grammar_rows is None or not own else grammar_rows[first:last])
+
+        def isolating(first: int, last: int, row: int) -> Proposals:
+            try:
+                return propose_range(first, last, row)
+            except Exception:  # noqa: BLE001 - narrowed to the failing requests below
+                if errors is None:
+                    raise
+            parts = []
+            for index in range(first, last):
+                try:
+                    parts.append(propose_range(index, index + 1, row))
+                except Exception as err:  # noqa: BLE001 - isolated to this request
+                    errors[index] = err
+                    part = propose_range(index, index + 1, row, plain_params(params[index]))
+                    part.invalid.fill_(ROW_FAILED)
+                    parts.append(part)
+                row += counts[index]
+            return Proposals.concat(parts)
+
         logprobs_k = top_count(params)
         if self.max_rows is None or sum(counts) <= self.max_rows:
-            return self.propose(compute_logits(hidden), counts, params, generators,
-                                output_index, seen_tokens, with_entropy, output_canvas,
-                                logprobs_k, grammar_rows)
+            return isolating(0, len(counts), 0)
         parts, row = [], 0
         for first, last in request_chunks(counts, self.max_rows):
-            rows = sum(counts[first:last])
-            parts.append(self.propose(
-                compute_logits(hidden[row:row + rows]), counts[first:last],
-                params[first:last], generators[first:last],
-                None if output_index is None else output_index[row:row + rows],
-                None if seen_tokens is None else seen_tokens[first:last], with_entropy,
-                None if output_canvas is None else output_canvas[first:last], logprobs_k,
-                None if grammar_rows is None else grammar_rows[first:last]))
-            row += rows
+            parts.append(isolating(first, last, row))
+            row += sum(counts[first:last])
         return Proposals.concat(parts)
+
+
+def plain_params(params):
+    """Greedy sampling parameters asking for the same logprobs as ``params`` and nothing
+    else: the stand-in that proposes the rows of a request whose own proposals raised."""
+    from vllm import SamplingParams
+
+    return SamplingParams(temperature=0.0, logprobs=params.logprobs,
+                          logprob_token_ids=getattr(params, "logprob_token_ids", None))
 
 
 def propose_for_requests(logits: torch.Tensor, mask_token_id: int, counts: list[int],

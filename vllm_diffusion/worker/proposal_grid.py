@@ -21,6 +21,8 @@ class ProposalGrid:
     tokens: torch.Tensor  # [R, B] int64, mask_token_id where not computed
     confidence: torch.Tensor  # [R, B] float32, -inf where not computed
     computed: torch.Tensor  # [R, B] bool: positions with a proposal this step
+    # [R, B] int8: ``sampling.ROW_*`` of each computed position's proposal (0 elsewhere)
+    invalid: torch.Tensor | None = None
     entropy: torch.Tensor | None = None  # [R, B] float32 (0 where not computed)
     ranked: torch.Tensor | None = None  # [R, B, r] int64: each position's r best tokens
     # [R, B, 2 + 2k] float64 logprob columns, filled for the blocks that asked for them
@@ -32,7 +34,7 @@ def scatter_to_host(proposed: Proposals, where: torch.Tensor, num_blocks: int,
                     asks_logprobs: list[bool] | None = None) -> ProposalGrid:
     """``where``: [n, 2] (block, position) of each proposal row; ``asks_logprobs``: per
     block, whether its request asked for logprobs (the rows ``proposed.logprobs`` has)."""
-    columns = [proposed.tokens, proposed.confidence]
+    columns = [proposed.tokens, proposed.confidence, proposed.invalid]
     if proposed.entropy is not None:
         columns.append(proposed.entropy)
     if proposed.ranked is not None:
@@ -50,9 +52,11 @@ def scatter_to_host(proposed: Proposals, where: torch.Tensor, num_blocks: int,
     grid.tokens[block, position] = table[0].long()
     grid.confidence[block, position] = table[1].float()
     grid.computed[block, position] = True
+    grid.invalid = torch.zeros(shape, dtype=torch.int8)
+    grid.invalid[block, position] = table[2].to(torch.int8)
     if proposed.entropy is not None:
         grid.entropy = torch.zeros(shape)
-        grid.entropy[block, position] = table[2].float()
+        grid.entropy[block, position] = table[3].float()
     if proposed.ranked is not None:
         width = proposed.ranked.shape[1]
         grid.ranked = torch.zeros(*shape, width, dtype=torch.long)

@@ -24,6 +24,8 @@ from vllm_diffusion.attention.backend import BlockDiffusionMetadata
 from vllm_diffusion.config import engine_config_from_vllm, wants_step_map
 from vllm_diffusion.models.step_run import StepRun
 from vllm_diffusion.policies.joint_editing import ALTERNATIVES
+from vllm_diffusion.step.failures import (Failure, RequestFailure, UnsatisfiableRequest,
+                                          count_progress)
 from vllm_diffusion.step.hooks import ForwardStep, StepHooks
 from vllm_diffusion.step.plans import CommitBatch, EditBatch
 from vllm_diffusion.step.request import DiffusionRequest, OutputBounds
@@ -37,6 +39,11 @@ from vllm_diffusion.worker.outputs import (
     empty_output,
 )
 from vllm_diffusion.worker.bad_words import undo_completed_words
+from vllm_diffusion.worker.constraints import (
+    position_rules,
+    unsatisfiable_blocks,
+    unsatisfiable_message,
+)
 from vllm_diffusion.worker.grammar import GrammarCompiler, GrammarStep, advance
 from vllm_diffusion.worker.logprobs import (
     asked_count,
@@ -47,10 +54,13 @@ from vllm_diffusion.worker.logprobs import (
 from vllm_diffusion.worker.proposal import ProposalPipeline, chunk_rows
 from vllm_diffusion.worker.proposal_grid import scatter_to_host
 from vllm_diffusion.worker.row_context import RowContext
+from vllm_diffusion.worker.sampling import ROW_VALID
 from vllm_diffusion.worker.step_plan import (
+    DenoisedBlock,
     KnownTokens,
     RequestRows,
     decode_steps,
+    denoised_blocks,
     emit_final_tokens,
     forward_step,
     plan_request,
@@ -60,14 +70,6 @@ from vllm_diffusion.worker.step_plan import (
 )
 
 logger = init_logger(__name__)
-
-
-@dataclasses.dataclass
-class DenoisedBlock:
-    """A request's block after the forward: the positions that reached the last layer."""
-
-    rows: RequestRows
-    num_computed: int  # its block positions with logits
 
 
 class DiffusionRunnerMixin:
@@ -183,11 +185,18 @@ class DiffusionRunnerMixin:
         return stats.tokens_edited - before[0] - deleted - split, deleted, split
 
     def _fail_request(self, req_id: str, doing: str, err: Exception) -> str:
-        """Forget a request whose policy work raised; the scheduler finishes it."""
-        logger.exception("vllm-diffusion: request %s failed while %s; finishing it with "
-                         "an error (other requests continue)", req_id, doing)
+        """Forget a request whose step work raised; the scheduler finishes it with the
+        returned ``stop_reason`` (``step.failures``)."""
+        failure = Failure.of(err, doing)
+        if isinstance(err, RequestFailure):  # the request's own doing: no traceback
+            logger.warning("vllm-diffusion: request %s ended with an error: %s", req_id,
+                           failure.message)
+        else:
+            logger.exception("vllm-diffusion: request %s failed while %s; finishing it "
+                             "with an error (other requests continue)", req_id, doing)
         self.diffusion_requests.pop(req_id, None)
-        return f"{type(err).__name__} while {doing}: {err}"
+        self.diffusion_stats.count_failure(err)
+        return failure.as_stop_reason()
 
     def _request_state(self, req_id: str) -> DiffusionRequest:
         """The request's diffusion state, made at its first step."""
@@ -261,30 +270,11 @@ class DiffusionRunnerMixin:
         out_rows = run.rows if run is not None else torch.arange(len(positions))
         return hidden_states, out_rows, counts
 
-    @staticmethod
-    def _denoised_blocks(rows: list[RequestRows], step: ForwardStep, out_rows: torch.Tensor
-                         ) -> tuple[list[DenoisedBlock], torch.Tensor, torch.Tensor]:
-        """The step's blocks and, over all their rows that reached the model output (in
-        request order): each row's output index and its (block, position) pair [n, 2]."""
-        output_index = torch.full((step.num_rows,), -1, dtype=torch.long)
-        output_index[out_rows] = torch.arange(len(out_rows))
-        entries = [(r, s) for r, s in zip(rows, step.requests) if r.request is not None]
-        if not entries:
-            return [], torch.empty(0, dtype=torch.long), torch.empty(0, 2, dtype=torch.long)
-        index = output_index[torch.cat([s.block_rows for _, s in entries])]
-        block_of = torch.repeat_interleave(torch.arange(len(entries)), torch.tensor(
-            [len(s.block_positions) for _, s in entries]))
-        where = torch.stack([block_of, torch.cat([s.block_positions for _, s in entries])], 1)
-        alive = index >= 0
-        counts = torch.bincount(block_of[alive], minlength=len(entries)).tolist()
-        blocks = [DenoisedBlock(r, n) for (r, _), n in zip(entries, counts)]
-        return blocks, index[alive], where[alive]
-
     def _denoise(self, rows: list[RequestRows], step: ForwardStep, hidden_states: torch.Tensor,
                  out_rows: torch.Tensor, failed: dict[str, str]) -> dict[str, EmittedTokens]:
         """Unmask every block of the step; a request whose unmasking raises is recorded in
         ``failed`` and outputs nothing. Returns what each request emits."""
-        blocks, hidden_index, where = self._denoised_blocks(rows, step, out_rows)
+        blocks, hidden_index, where = denoised_blocks(rows, step, out_rows)
         if not blocks:
             return {}
         block_size, mask_id = self.diffusion.block_size, self.diffusion.mask_token_id
@@ -298,32 +288,48 @@ class DiffusionRunnerMixin:
         counts = [b.num_computed for b in blocks]
         grammar = GrammarStep(self.grammars, [r.grammar for r in requests],
                               [b.rows.req_id for b in blocks], masked)
-        # The logits ([n, V]) are made and reduced a chunk of requests at a time.
+        # The logits ([n, V]) are made and reduced a chunk of requests at a time; a
+        # request whose grammar or proposals raise is failed alone (``errors``).
+        errors: dict[int, tuple[str, Exception]] = {}
+        grammar_rows = grammar.first_row_masks(where, counts) if grammar.active else None
+        errors.update(grammar.take_errors("filling its grammar's mask"))
+        raised: dict[int, Exception] = {}
         proposed = self.proposals.propose_from_hidden(
             self.model.compute_logits, hidden_states[hidden_index.to(self.device)],
-            counts, params, [s.generator for s in states],
-            context.output_index, context.seen_tokens, with_entropy, context.output_canvas,
-            grammar.first_row_masks(where, counts) if grammar.active else None)
+            counts, params, [s.generator for s in states], context.output_index,
+            context.seen_tokens, with_entropy, context.output_canvas, grammar_rows, raised)
+        errors.update({i: ("proposing its tokens", err) for i, err in raised.items()})
         grid = scatter_to_host(proposed, where, len(blocks), block_size, mask_id,
                                [wants_logprobs(p) for p in params])
         proposals, full_confidence, computed = grid.tokens, grid.confidence, grid.computed
-        if grid.ranked is not None:  # the policy rewrites blocks (LLaDA2.2 editing)
+        rewrites = grid.ranked is not None  # the policy rewrites blocks (LLaDA2.2 editing)
+        for i, position, code in unsatisfiable_blocks(grid.invalid, masked, computed,
+                                                      rewrites):
+            index = blocks[i].rows.canvas.start + position - len(states[i].prompt_token_ids)
+            errors.setdefault(i, ("proposing its tokens", UnsatisfiableRequest(
+                unsatisfiable_message(params[i], index, code))))
+        self._fail_blocks(blocks, errors, failed)
+        usable = computed & (grid.invalid == ROW_VALID)  # [R, B]: proposals to commit from
+        if rewrites:
             return self._rewrite_blocks(blocks, states, proposals, full_confidence,
                                         grid.ranked, computed, failed)
-        available = masked & computed
+        available = masked & usable
         if grammar.active:  # only a grammar-valid run from the leftmost undecided position
-            grammar.constrain(proposals, full_confidence, available, computed)
+            grammar.constrain(proposals, full_confidence, available, usable, position_rules(
+                [b.rows.canvas for b in blocks], states, context.output_canvas,
+                [r.grammar is not None for r in requests]))
+            self._fail_blocks(blocks, grammar.take_errors("walking its grammar"), failed)
         commit_inputs = (full_confidence, available)
         if with_entropy:
             commit_inputs = (*commit_inputs, grid.entropy)
         commits = self._ask_policy(self.policy.choose_commits, CommitBatch, requests,
                                    commit_inputs, failed, "choosing its commits")
         if grammar.active:
-            grammar.restrict(commits)
+            grammar.include_first(commits)
         # The blocks after this step's commits and edits, for all requests at once.
         tokens_before = torch.stack([b.rows.canvas.tokens for b in blocks])
         tokens_after = torch.where(commits, proposals, tokens_before)
-        filled = computed & torch.stack([b.rows.canvas.decoded_at >= 0 for b in blocks])
+        filled = usable & torch.stack([b.rows.canvas.decoded_at >= 0 for b in blocks])
         edits = self._ask_policy(self.policy.choose_edits, EditBatch, requests,
                                  (full_confidence, proposals, tokens_before, filled), failed,
                                  "choosing its edits")
@@ -337,6 +343,9 @@ class DiffusionRunnerMixin:
                                      - len(states[i].prompt_token_ids), block_words,
                                      commits[i], edits[i], tokens_before[i], tokens_after[i],
                                      mask_id)
+        if grammar.active:  # after the undo: the run from F holds no undone position
+            grammar.restrict(commits)
+            tokens_after = torch.where(commits | edits, proposals, tokens_before)
         decisions = StepDecisions(commits, edits, tokens_after, masked, computed,
                                   commits.sum(dim=1).tolist(), tokens_after.tolist(),
                                   (tokens_after != mask_id).all(dim=1).tolist(),
@@ -354,6 +363,15 @@ class DiffusionRunnerMixin:
             except Exception as err:  # noqa: BLE001 - isolated to this request
                 failed[req_id] = self._fail_request(req_id, "unmasking its block", err)
         return emitted
+
+    def _fail_blocks(self, blocks: list[DenoisedBlock],
+                     errors: dict[int, tuple[str, Exception]], failed: dict[str, str]) -> None:
+        """Fail the requests of the step's blocks in ``errors`` (block -> (what it was
+        doing, the exception)), each alone; the first failure of a request counts."""
+        for i, (doing, err) in sorted(errors.items()):
+            req_id = blocks[i].rows.req_id
+            if req_id not in failed:
+                failed[req_id] = self._fail_request(req_id, doing, err)
 
     def _ask_policy(self, method, batch_cls, requests: list[DiffusionRequest],
                     tensors: tuple[torch.Tensor, ...], failed: dict[str, str], doing: str):
@@ -456,6 +474,8 @@ class DiffusionRunnerMixin:
         stats.tokens_edited += num_edited
         canvas.edits += num_edited
         stats.edited_blocks_completed += int(block_done and canvas.edits > 0)
+        count_progress(request, bool(num_decoded or num_edited or block_done),
+                       self.diffusion.max_steps_without_progress)
         offset = num_known - canvas.start
         return EmittedTokens(
             final,

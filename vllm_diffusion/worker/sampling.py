@@ -18,6 +18,9 @@ from __future__ import annotations
 import torch
 
 _GREEDY_EPS = 1e-5  # vLLM treats temperatures below this as greedy
+# A proposal row's validity (``proposal.invalid_rows``): valid, no token left after the
+# logit stages, a logit NaN / overflowed, or its request's proposals raised.
+ROW_VALID, ROW_NO_TOKEN, ROW_NOT_FINITE, ROW_FAILED = 0, 1, 2, 3
 
 
 def filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
@@ -94,7 +97,8 @@ def batched_filter_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor,
 
 def draw_for_requests(logits: torch.Tensor, counts: list[int], params: list,
                       generators: list, max_probability: bool = False,
-                      with_entropy: bool = False) -> tuple[torch.Tensor, ...]:
+                      with_entropy: bool = False, invalid: torch.Tensor | None = None
+                      ) -> tuple[torch.Tensor, ...]:
     """Temperature, top-k / top-p and the draw for the rows of several requests at once.
     logits: [n, V] float32 (the earlier stages applied), request i owns the next
     ``counts[i]`` rows; ``params[i]`` its sampling parameters (temperature, top_k, top_p)
@@ -103,7 +107,12 @@ def draw_for_requests(logits: torch.Tensor, counts: list[int], params: list,
     (so a seeded request draws exactly as when proposed alone). A sampled row's confidence
     is the drawn token's probability in the filtered distribution, or with
     ``max_probability`` that distribution's largest probability. With ``with_entropy`` a
-    third tensor [n]: each row's entropy (nats) of the distribution it proposed from."""
+    third tensor [n]: each row's entropy (nats) of the distribution it proposed from.
+
+    ``invalid`` ([n] int8, ``proposal.invalid_rows``): rows already flagged; a sampled row
+    whose scaled logits are not finite (no token left, NaN, or an overflow by the
+    temperature) is drawn from a uniform stand-in instead of reaching
+    ``torch.multinomial``, and flagged here (in place) as not finite where it was valid."""
     probs = logits.softmax(dim=-1)
     confidence, tokens = probs.max(dim=-1)
     entropy = torch.special.entr(probs).sum(dim=-1) if with_entropy else None
@@ -122,6 +131,12 @@ def draw_for_requests(logits: torch.Tensor, counts: list[int], params: list,
     temperature, top_k, top_p, min_p = zip(*per_row)
     rows_device = rows.to(logits.device)
     scaled = logits[rows_device] / torch.tensor(temperature, device=logits.device)[:, None]
+    finite = torch.isfinite(scaled.amax(dim=-1))  # [m]; no host read: one per step
+    scaled = torch.where(finite[:, None], scaled, torch.zeros_like(scaled))
+    if invalid is not None:
+        flagged = invalid[rows_device]
+        invalid[rows_device] = torch.where(finite | (flagged != ROW_VALID), flagged,
+                                           torch.full_like(flagged, ROW_NOT_FINITE))
     if any(p > 0 for p in min_p):
         scaled = filter_min_p(scaled, torch.tensor(min_p, dtype=scaled.dtype,
                                                    device=logits.device))

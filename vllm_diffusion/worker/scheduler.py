@@ -106,8 +106,9 @@ class BlockDiffusionScheduler(Scheduler):
             client_outputs = outputs.setdefault(request.client_index, EngineCoreOutputs())
             client_outputs.outputs.append(EngineCoreOutput(
                 request_id=request.request_id, new_token_ids=[],
-                finish_reason=request.get_finished_reason(), events=request.take_events(),
-                trace_headers=request.trace_headers))
+                finish_reason=request.get_finished_reason(),
+                stop_reason=runner_output.failed_requests[request.request_id],
+                events=request.take_events(), trace_headers=request.trace_headers))
         attach_step_maps(outputs, runner_output.step_maps)
         for req_id, committed in runner_output.committed_prefix.items():
             request = self.requests.get(req_id)
@@ -118,8 +119,9 @@ class BlockDiffusionScheduler(Scheduler):
         return outputs
 
     def _finish_failed(self, failed: dict[str, str]) -> list[Any]:
-        """Finish the requests whose policy work failed in the runner: their KV pages are
-        freed here and the runner forgets them at the next step."""
+        """Finish the requests whose step work failed in the runner (``failed``: req_id ->
+        its ``stop_reason``, ``step.failures``): their KV pages are freed here and the
+        runner forgets them at the next step."""
         if not failed:
             return []
         for req_id, why in failed.items():

@@ -201,3 +201,30 @@ def truncate_at_stop(tokens: list[int], params: Any, num_output: int) -> list[in
         if token in stops:
             return tokens[:i + 1]
     return tokens
+
+
+@dataclasses.dataclass
+class DenoisedBlock:
+    """A request's block after the forward: the positions that reached the last layer."""
+
+    rows: RequestRows
+    num_computed: int  # its block positions with logits
+
+
+def denoised_blocks(rows: list[RequestRows], step: ForwardStep, out_rows: torch.Tensor
+                    ) -> tuple[list[DenoisedBlock], torch.Tensor, torch.Tensor]:
+    """The step's blocks and, over all their rows that reached the model output (in
+    request order): each row's output index and its (block, position) pair [n, 2]."""
+    output_index = torch.full((step.num_rows,), -1, dtype=torch.long)
+    output_index[out_rows] = torch.arange(len(out_rows))
+    entries = [(r, s) for r, s in zip(rows, step.requests) if r.request is not None]
+    if not entries:
+        return [], torch.empty(0, dtype=torch.long), torch.empty(0, 2, dtype=torch.long)
+    index = output_index[torch.cat([s.block_rows for _, s in entries])]
+    block_of = torch.repeat_interleave(torch.arange(len(entries)), torch.tensor(
+        [len(s.block_positions) for _, s in entries]))
+    where = torch.stack([block_of, torch.cat([s.block_positions for _, s in entries])], 1)
+    alive = index >= 0
+    counts = torch.bincount(block_of[alive], minlength=len(entries)).tolist()
+    blocks = [DenoisedBlock(r, n) for (r, _), n in zip(entries, counts)]
+    return blocks, index[alive], where[alive]

@@ -26,6 +26,7 @@ paper's implementation does, and keeps the frozen positions' KV.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from typing import Any, ClassVar
 
 import torch
@@ -118,13 +119,11 @@ class FocusPolicy(StrategyPolicy[FocusConfig, FocusRequestState]):
     config_cls: ClassVar[type] = FocusConfig
 
     @classmethod
-    def llada22_refusal(cls, engine_options: Mapping[str, Any]) -> str | None:
-        if (engine_options.get("evict", True) or engine_options.get("intra_block_cache", True)
-                or engine_options.get("commit", "exact") != "exact"):
-            return ("it serves LLaDA2.2 only with its full budget: set 'evict' and "
-                    "'intra_block_cache' to false and keep commit='exact' (LLaDA2.2's block "
-                    "routing chooses each routing block's experts from all of its tokens, "
-                    "so every forward must compute whole blocks)")
+    def partial_block_reason(cls, options: Mapping[str, Any]) -> str | None:
+        if (options.get("evict", True) or options.get("intra_block_cache", True)
+                or options.get("commit", "exact") != "exact"):
+            return ("it computes whole blocks only with its full budget: set 'evict' and "
+                    "'intra_block_cache' to false and keep commit='exact'")
         return None
 
     def __init__(self, block_size: int, mask_token_id: int,

@@ -1,0 +1,136 @@
+"""A request's own constraints on the tokens of its output, outside the logit stages.
+
+Two uses in a step:
+
+- ``unsatisfiable_blocks``: the proposal pipeline flags rows whose logits left no token
+  (``allowed_token_ids``, ``bad_words``, ``min_tokens``, the grammar and the mask token
+  together bar every one) or are not finite (a penalty or bias overflowed). Such a row is
+  never committed. Where it is the block's leftmost undecided position, every position
+  before it is decided, so the output needs a token there and cannot get one: the request
+  ends with an error naming why (``step.failures.UnsatisfiableRequest``). Barring only
+  grows as neighbours are decided, so waiting would not help. A block whose tokens may
+  move (``rewrites``) needs every position: any flagged row ends it.
+- ``PositionRules``: what the grammar walk (``grammar.py``) checks a forced token against
+  before taking it, since forced text bypasses the logits: ``allowed_token_ids``, the
+  stop tokens ``min_tokens`` bars and the bad words (with the walked tokens as context).
+  A finite ``logit_bias`` or penalty bars no token, so neither is checked here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+
+from vllm_diffusion.worker.bad_words import UNDECIDED, barred_tokens
+from vllm_diffusion.worker.sampling import ROW_NO_TOKEN, ROW_VALID
+
+
+def constraints_in_use(params: Any, output_index: int) -> list[str]:
+    """The request's parameters that bar tokens at ``output_index``, as the error names
+    them."""
+    used = []
+    if params.allowed_token_ids is not None:
+        used.append(f"allowed_token_ids={sorted(params.allowed_token_ids)[:16]}")
+    if params.bad_words_token_ids:
+        used.append(f"bad_words ({len(params.bad_words_token_ids)} tokenizations)")
+    if params.min_tokens and output_index < params.min_tokens:
+        used.append(f"min_tokens={params.min_tokens} (its stop tokens "
+                    f"{sorted(params.all_stop_token_ids or ())} barred)")
+    wanted = params.structured_outputs
+    if wanted is not None and not wanted.all_constraints_none():
+        used.append("structured_outputs (the grammar's allowed tokens)")
+    return used + ["the mask token (never proposed)"]
+
+
+def values_in_use(params: Any) -> list[str]:
+    """The request's parameters that scale or shift logits (what can overflow them)."""
+    used = [f"{name}={getattr(params, name)!r}" for name, neutral in
+            (("repetition_penalty", 1.0), ("frequency_penalty", 0.0),
+             ("presence_penalty", 0.0), ("temperature", 1.0))
+            if getattr(params, name) not in (None, neutral)]
+    if params.logit_bias:
+        used.append(f"logit_bias ({len(params.logit_bias)} entries)")
+    return used
+
+
+def unsatisfiable_message(params: Any, output_index: int, code: int) -> str:
+    if code == ROW_NO_TOKEN:
+        return (f"no token satisfies the request's constraints at output position "
+                f"{output_index} ({', '.join(constraints_in_use(params, output_index))} "
+                f"together bar every token)")
+    return (f"the logits at output position {output_index} are not finite under the "
+            f"request's sampling parameters ({', '.join(values_in_use(params)) or 'none'}): "
+            f"a penalty or bias overflowed them, or the model produced NaN")
+
+
+def unsatisfiable_blocks(invalid: torch.Tensor, masked: torch.Tensor, computed: torch.Tensor,
+                         rewrites: bool) -> list[tuple[int, int, int]]:
+    """invalid: [R, B] int8 (``sampling.ROW_*``), masked, computed: [R, B] bool. Returns
+    (block, position, code) for each block that cannot go on: its leftmost undecided
+    position was computed and flagged (or, with ``rewrites``, any computed position)."""
+    flagged = (invalid != ROW_VALID) & computed
+    if rewrites:
+        needed = flagged
+    else:
+        first = masked.to(torch.int8).argmax(dim=1)  # [R]: leftmost undecided position
+        needed = torch.zeros_like(flagged)
+        needed[torch.arange(len(first)), first] = True
+        needed &= flagged & masked
+    found = []
+    for block in torch.nonzero(needed.any(dim=1)).flatten().tolist():
+        position = int(torch.nonzero(needed[block]).flatten()[0])
+        found.append((block, position, int(invalid[block, position])))
+    return found
+
+
+@dataclasses.dataclass
+class PositionRules:
+    """What one request allows at the output positions of its block, for forced tokens."""
+
+    allowed: frozenset[int] | None
+    stops: frozenset[int]
+    min_tokens: int
+    words: list[list[int]]
+    context: list[int]  # its output so far (``UNDECIDED`` where not decided)
+    first_output: int  # the output index of the block's first position
+
+    @staticmethod
+    def of(params: Any, first_output: int, context: list[int] | None) -> PositionRules:
+        allowed = params.allowed_token_ids
+        return PositionRules(None if allowed is None else frozenset(allowed),
+                             frozenset(params.all_stop_token_ids or ()),
+                             params.min_tokens or 0, list(params.bad_words_token_ids or []),
+                             list(context or []), first_output)
+
+    def admits(self, position: int, token: int, walked: dict[int, int]) -> bool:
+        """Whether ``token`` may stand at block position ``position``, with ``walked``
+        (block position -> token) taken before it in the same walk."""
+        if self.allowed is not None and token not in self.allowed:
+            return False
+        index = self.first_output + position
+        if index < self.min_tokens and token in self.stops:
+            return False
+        if not self.words:
+            return True
+        context = list(self.context)
+        for at, walked_token in walked.items():
+            if 0 <= self.first_output + at < len(context):
+                context[self.first_output + at] = walked_token
+        if index >= len(context):
+            context += [UNDECIDED] * (index + 1 - len(context))
+        return token not in barred_tokens(context, index, self.words)
+
+
+def position_rules(canvases: list[Any], states: list[Any],
+                   output_canvases: list[list[int]] | None, wanted: list[bool]
+                   ) -> list[PositionRules | None]:
+    """Per block, its request's ``PositionRules`` where ``wanted`` (canvases, states: each
+    block's canvas and vLLM request state; output_canvases: each request's output so far,
+    where some request has bad words)."""
+    return [PositionRules.of(state.sampling_params,
+                             canvas.start - len(state.prompt_token_ids),
+                             None if output_canvases is None else output_canvases[i])
+            if wanted[i] else None
+            for i, (canvas, state) in enumerate(zip(canvases, states))]
