@@ -376,8 +376,12 @@ def optimize(model: Qwen3ForCausalLM, loss_fn, next_items, config: TrainConfig, 
     total_steps = max_steps or 10**9
     budget_s, started = minutes * 60, time.perf_counter()
     last_save, window_loss, window_tokens, window_start, step = started, 0.0, 0, started, 0
+    window_extras: dict[str, float] = {}
     while step < total_steps and time.perf_counter() - started < budget_s:
-        loss, num_tokens = loss_fn(next_items())
+        # (loss, tokens) or (loss, tokens, {name: value} more figures to log as means)
+        loss, num_tokens, *more = loss_fn(next_items())
+        for name, value in (more[0] if more else {}).items():
+            window_extras[name] = window_extras.get(name, 0.0) + value
         for group in optimizer.param_groups:
             group["lr"] = learning_rate(step, total_steps, config)
         optimizer.zero_grad(set_to_none=True)
@@ -392,10 +396,12 @@ def optimize(model: Qwen3ForCausalLM, loss_fn, next_items, config: TrainConfig, 
             print(f"cosine schedule set to {total_steps} steps (pass {steps_flag} {total_steps} to reproduce)")
         if step % config.log_every == 0:
             print(f"step {step:6d}  loss {window_loss / config.log_every:.4f}  "
-                  f"lr {optimizer.param_groups[0]['lr']:.2e}  "
+                  + "".join(f"{name} {value / config.log_every:.4f}  "
+                            for name, value in window_extras.items())
+                  + f"lr {optimizer.param_groups[0]['lr']:.2e}  "
                   f"tok/s {window_tokens / (now - window_start):6.0f}  "
                   f"elapsed {now - started:6.0f}s", flush=True)
-            window_loss, window_tokens, window_start = 0.0, 0, now
+            window_loss, window_tokens, window_start, window_extras = 0.0, 0, now, {}
         if now - last_save > config.checkpoint_minutes * 60:
             save()
             last_save = now
