@@ -2,8 +2,9 @@
 or overflow the logits are refused at admission (where that can be known) or end with an
 error naming why at the step where it shows; grammar walks never stall; a request without
 progress for the engine's limit of steps ends; every constraint holds in what is served.
-Includes a property-based test drawing requests from the whole sampling surface under
-several policies (fixed seed and example count; ``LIVENESS_EXAMPLES`` raises the count)."""
+Includes a property-based test drawing requests from the whole sampling surface (fixed
+seed and example count; ``LIVENESS_EXAMPLES`` raises the count), run under every other
+policy by ``test_liveness_policies.py``."""
 
 from __future__ import annotations
 
@@ -23,8 +24,6 @@ from vllm.inputs import TokensPrompt
 from vllm.sampling_params import StructuredOutputsParams as Grammar
 
 from vllm_diffusion.step.failures import Failure
-from vllm_diffusion_lab.fixtures.tiny_sdar import build_tiny_sdar
-from vllm_diffusion.worker.grammar import walk
 
 pytestmark = pytest.mark.engine
 
@@ -202,30 +201,31 @@ def test_non_finite_logit_bias_is_refused(llm, bias):
     assert isinstance(out, REJECTED) and "logit_bias must map token ids to finite" in str(out)
 
 
-def test_a_request_without_progress_ends_at_the_limit(dense_checkpoint, monkeypatch):
+def test_a_request_without_progress_ends_at_the_limit(llm, reference_tokens, monkeypatch):
     """A walk that never takes a token (as the grammar walk once stalled): the request
     ends after the engine's limit of steps without progress, its KV freed, counted; the
-    engine serves the next request."""
+    engine serves the next request. (The limit is lowered on the running engine: a second
+    engine in this process would tear down the distributed state the first one uses.)"""
+    import dataclasses
+
     import vllm_diffusion.worker.grammar as grammar_module
 
     limit = 6
-    with diffusion_llm(dense_checkpoint, diffusion_block_size=BLOCK_SIZE, max_model_len=128,
-                       additional_config={"diffusion_max_steps_without_progress": limit}
-                       ) as llm:
-        reference = list(llm.generate(PROMPT, reference_params(), use_tqdm=False)[0]
-                         .outputs[0].token_ids)
-        monkeypatch.setattr(grammar_module, "walk",
-                            lambda *args, **kwargs: grammar_module.Walk([], []))
-        before = stats(llm)
-        out = served(llm, temperature=0, structured_outputs=Grammar(regex="[a-c]{5}"))
-        after = stats(llm)
-        assert out.finish_reason == "error"
-        failure = Failure.from_stop_reason(out.stop_reason)
-        assert failure.status == 500 and f"no progress in {limit} consecutive" in failure.message
-        assert after["denoising_steps"] - before["denoising_steps"] == limit
-        assert after["requests_without_progress"] == before["requests_without_progress"] + 1
-        monkeypatch.setattr(grammar_module, "walk", walk)
-        assert_idle_and_correct(llm, reference)
+    runner = runner_of(llm)
+    monkeypatch.setattr(runner, "diffusion", dataclasses.replace(
+        runner.diffusion, max_steps_without_progress=limit))
+    monkeypatch.setattr(grammar_module, "walk",
+                        lambda *args, **kwargs: grammar_module.Walk([], []))
+    before = stats(llm)
+    out = served(llm, temperature=0, structured_outputs=Grammar(regex="[a-c]{5}"))
+    after = stats(llm)
+    monkeypatch.undo()
+    assert out.finish_reason == "error"
+    failure = Failure.from_stop_reason(out.stop_reason)
+    assert failure.status == 500 and f"no progress in {limit} consecutive" in failure.message
+    assert after["denoising_steps"] - before["denoising_steps"] == limit
+    assert after["requests_without_progress"] == before["requests_without_progress"] + 1
+    assert_idle_and_correct(llm, reference_tokens)
 
 
 # ------------------------------------------------------------------ property-based
@@ -353,49 +353,3 @@ def generate_and_check(llm, reference_tokens, fields: dict, extra_args=None) -> 
 def test_generated_requests_end_honour_their_constraints_and_leave_nothing(
         llm, reference_tokens, fields):
     generate_and_check(llm, reference_tokens, fields)
-
-
-STRATEGY = {"strategy": st.sampled_from(["low_confidence_dynamic", "threshold", "sequential",
-                                         "entropy_bounded", "low_confidence_static"]),
-            "threshold": st.sampled_from([0.0, 0.9, 1.0]),
-            "denoising_steps": st.integers(1, BLOCK_SIZE),
-            "editing_threshold": st.sampled_from([None, 0.0, 0.9])}
-POLICY_OPTIONS = {
-    "standard": st.fixed_dictionaries({}, optional={
-        **STRATEGY, "chunk_size": st.sampled_from([1, 2, 4]), "chunk_reuse": st.booleans()}),
-    "es": st.fixed_dictionaries({}, optional={
-        **STRATEGY, "alpha": st.sampled_from([0.0, 1.0]),
-        "skip_ratio": st.sampled_from([0.0, 0.9]), "refresh_period": st.sampled_from([1, 8]),
-        "keep_floor": st.booleans()}),
-    "elastic": st.fixed_dictionaries({}, optional={
-        **STRATEGY, "warmup_steps": st.sampled_from([0, 3]), "explore_every": st.integers(2, 4),
-        "chunk_reuse": st.booleans()}),
-    "ada": st.fixed_dictionaries({}, optional={
-        **STRATEGY, "capacity": st.sampled_from([1e-6, 0.5, 1.0]), "history": st.integers(1, 4),
-        "confidence_floor": st.sampled_from([0.0, 1.0])}),
-    "sparse_prefix": st.fixed_dictionaries({}, optional={
-        **STRATEGY, "retention_ratio": st.sampled_from([0.0, 1.0]),
-        "delay_steps": st.sampled_from([0, 3])}),
-}
-
-
-@pytest.fixture(scope="module")
-def four_layers(tmp_path_factory):
-    """A 4-layer model, so that every policy's hook layers exist (ES skips after 2..L-2)."""
-    return build_tiny_sdar(tmp_path_factory.mktemp("sdar-4-layers"), num_layers=4, seed=3)
-
-
-@pytest.mark.parametrize("policy", sorted(POLICY_OPTIONS))
-def test_generated_requests_under_every_policy(four_layers, policy):
-    with diffusion_llm(four_layers, diffusion_block_size=BLOCK_SIZE, max_model_len=128,
-                       additional_config={"diffusion_policy": policy}) as llm:
-        reference = (None if policy == "elastic" else list(
-            llm.generate(PROMPT, reference_params(), use_tqdm=False)[0].outputs[0].token_ids))
-
-        @settings(max_examples=EXAMPLES, deadline=None, derandomize=True,
-                  suppress_health_check=[HealthCheck.too_slow])
-        @given(fields=SURFACE, extra_args=POLICY_OPTIONS[policy])
-        def run(fields, extra_args):
-            generate_and_check(llm, reference, fields, extra_args)
-
-        run()
