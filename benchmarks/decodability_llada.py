@@ -40,8 +40,8 @@ import sys
 import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from decodability_study import METRICS, analyse, answer_positions_only, parts, plot
-from vllm_diffusion_lab.training.llada_format import LLaDAModelLM, rotate_half
+from decodability_study import analyse, answer_positions_only, plot, print_report
+from vllm_diffusion_lab.training.llada_format import LLaDAModelLM, generate, rotate_half
 
 from vllm_diffusion.kernels.importance import candidate_importance
 
@@ -67,54 +67,37 @@ def decode_recording(model: LLaDAModelLM, prompt_ids: list[int], *, mask_id: int
                      gen_length: int = 128, block_length: int = 32, steps: int | None = None):
     """``llada_format.generate`` (same arguments, same canvas) plus one record per forward:
     {"block", "positions", "layer0", "layer1", "delta", "decoded"} over the candidates."""
-    steps = steps or gen_length
-    if gen_length % block_length or steps % (gen_length // block_length):
-        raise ValueError("gen_length must be a multiple of block_length, steps of the blocks")
-    device = model.model.transformer.wte.weight.device
     start = len(prompt_ids)
-    x = torch.full((1, start + gen_length), mask_id, dtype=torch.long, device=device)
-    x[0, :start] = torch.tensor(prompt_ids)
-    per_block = steps // (gen_length // block_length)
     blocks = model.model.transformer.blocks
     inputs: dict[int, tuple] = {}  # layer -> (x, cos, sin) of the current forward
     hooks = [blocks[layer].register_forward_pre_hook(
         lambda module, args, layer=layer: inputs.__setitem__(layer, args[:3])) for layer in LAYERS]
     scale = 1.0 / math.sqrt(blocks[0].head_dim)
     records = []
+
+    def record(masked: torch.Tensor, chosen: torch.Tensor, block_start: int, block_end: int):
+        # the candidates: the block's masked positions before this step's commit
+        candidates = block_start + masked[block_start:block_end].nonzero()[:, 0]
+        importance = []
+        for layer in LAYERS:
+            q, k = rope_qk(blocks[layer], *inputs[layer])
+            importance.append(candidate_importance(q[candidates], k[candidates], scale,
+                                                   POOL_KERNEL))
+        decoded = torch.zeros(len(masked), dtype=torch.bool, device=masked.device)
+        decoded[chosen] = True
+        records.append({"block": (block_start - start) // block_length,
+                        "positions": candidates.tolist(),
+                        "layer0": importance[0].tolist(), "layer1": importance[1].tolist(),
+                        "delta": (importance[1] - importance[0]).tolist(),
+                        "decoded": decoded[candidates].tolist()})
+
     try:
-        for block_end in range(start + block_length, start + gen_length + 1, block_length):
-            count = int((x[0, block_end - block_length:block_end] == mask_id).sum())
-            quotas = [count // per_block + (i < count % per_block) for i in range(per_block)]
-            for quota in quotas:
-                if quota == 0:
-                    continue
-                masked = x[0] == mask_id
-                logits = model(x)[0]  # [L, V]
-                predicted = logits.argmax(-1)
-                confidence = logits.softmax(-1).gather(-1, predicted[:, None])[:, 0]
-                confidence[block_end:] = float("-inf")
-                confidence = torch.where(masked, confidence, float("-inf"))
-                chosen = torch.topk(confidence, k=quota).indices
-                x[0, chosen] = predicted[chosen]
-                # the candidates: the block's masked positions before this step's commit
-                block_start = block_end - block_length
-                candidates = block_start + masked[block_start:block_end].nonzero()[:, 0]
-                importance = []
-                for layer in LAYERS:
-                    q, k = rope_qk(blocks[layer], *inputs[layer])
-                    importance.append(candidate_importance(q[candidates], k[candidates], scale,
-                                                           POOL_KERNEL))
-                decoded = torch.zeros(len(x[0]), dtype=torch.bool, device=device)
-                decoded[chosen] = True
-                records.append({"block": (block_start - start) // block_length,
-                                "positions": candidates.tolist(),
-                                "layer0": importance[0].tolist(), "layer1": importance[1].tolist(),
-                                "delta": (importance[1] - importance[0]).tolist(),
-                                "decoded": decoded[candidates].tolist()})
+        canvas = generate(model, prompt_ids, mask_id=mask_id, gen_length=gen_length,
+                          block_length=block_length, steps=steps, on_step=record)
     finally:
         for hook in hooks:
             hook.remove()
-    return x[0, start:].tolist(), records
+    return canvas, records
 
 
 def load(directory: pathlib.Path) -> tuple[LLaDAModelLM, dict]:
@@ -176,16 +159,7 @@ def main() -> None:
     pathlib.Path(args.plot).parent.mkdir(parents=True, exist_ok=True)
     plot(report, pathlib.Path(args.plot))
     print(f"accuracy {report['accuracy']:.3f} over {len(examples)} prompts")
-    for part, label in (*parts(report), (report.get("hard_steps"), "hard steps")):
-        if part is None:
-            print(f"{label}: none")
-            continue
-        print(f"{label}: " + json.dumps({k: v for k, v in part.items()
-                                          if k in ("steps", "candidates", "decoded", "base_decode_rate")}))
-        for metric in METRICS:
-            print(f"  {metric} AUC {part[metric]['auc_within_step_rank']:.3f}, decode rate by bin",
-                  [b["decode_rate"] and round(b["decode_rate"], 3) for b in part[metric]["bins"]])
-
+    print_report(report)
 
 if __name__ == "__main__":
     main()

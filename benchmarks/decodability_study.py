@@ -113,6 +113,19 @@ def parts(report: dict) -> tuple[tuple[dict, str], ...]:
     return (report, "all candidates"), (report["answer_positions"], "answer positions")
 
 
+def print_report(report: dict) -> None:
+    """Each analysis of a report: its counts, and each metric's AUC and decode rate by bin."""
+    for part, label in (*parts(report), (report.get("hard_steps"), "hard steps")):
+        if part is None:
+            print(f"{label}: none")
+            continue
+        print(f"{label}: " + json.dumps({k: v for k, v in part.items()
+                                          if k in ("steps", "candidates", "decoded", "base_decode_rate")}))
+        for metric in METRICS:
+            print(f"  {metric} AUC {part[metric]['auc_within_step_rank']:.3f}, decode rate by bin",
+                  [b["decode_rate"] and round(b["decode_rate"], 3) for b in part[metric]["bins"]])
+
+
 def plot(report: dict, path: pathlib.Path) -> None:
     import matplotlib
 
@@ -173,16 +186,7 @@ def main() -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2) + "\n")
     plot(report, pathlib.Path(args.plot))
-    for part, label in (*parts(report), (report.get("hard_steps"), "hard steps")):
-        if part is None:
-            print(f"{label}: none")
-            continue
-        print(f"{label}: " + json.dumps({k: v for k, v in part.items()
-                                          if k in ("steps", "candidates", "decoded", "base_decode_rate")}))
-        for metric in METRICS:
-            print(f"  {metric} AUC {part[metric]['auc_within_step_rank']:.3f}, decode rate by bin",
-                  [b["decode_rate"] and round(b["decode_rate"], 3) for b in part[metric]["bins"]])
-
+    print_report(report)
 
 if __name__ == "__main__":
     main()

@@ -111,9 +111,11 @@ def test_position_rules_check_allowed_ids_min_tokens_and_bad_words_with_walked_t
     params._all_stop_token_ids = {2}
     params._bad_words_token_ids = [[10, 11]]
     # output so far: [12], then the block (output positions 1..4) undecided
-    rules = PositionRules.of(params, first_output=1, context=[12] + [UNDECIDED] * 4)
-    assert not rules.admits(0, 7, {})  # not allowed
-    assert not rules.admits(0, 2, {})  # output index 1 < min_tokens 3: stop barred
-    assert rules.admits(2, 2, {})  # output index 3: stop allowed
-    assert rules.admits(1, 11, {})  # no 10 before it
-    assert not rules.admits(1, 11, {0: 10})  # the walk put 10 before it: "10 11" barred
+    rules = PositionRules.of(params, first_output=1, context=[12] + [UNDECIDED] * 4,
+                             block_size=4)
+    assert not rules.admits(0, 7)  # not allowed
+    assert not rules.admits(0, 2)  # output index 1 < min_tokens 3: stop barred
+    assert rules.admits(2, 2)  # output index 3: stop allowed
+    assert rules.admits(1, 11)  # no 10 before it
+    rules.place(0, 10)
+    assert not rules.admits(1, 11)  # the walk put 10 before it: "10 11" barred

@@ -93,34 +93,39 @@ class PositionRules:
     stops: frozenset[int]
     min_tokens: int
     words: list[list[int]]
-    context: list[int]  # its output so far (``UNDECIDED`` where not decided)
+    # its output so far through the block's end (``UNDECIDED`` where not decided), with
+    # what the walk placed this step; empty without bad words
+    context: list[int]
     first_output: int  # the output index of the block's first position
 
     @staticmethod
-    def of(params: Any, first_output: int, context: list[int] | None) -> PositionRules:
+    def of(params: Any, first_output: int, context: list[int] | None,
+           block_size: int) -> PositionRules:
+        """``context``: the request's output so far with its block (None: no bad words);
+        copied and padded to the block's end, the walk's own copy for this step."""
         allowed = params.allowed_token_ids
+        words = list(params.bad_words_token_ids or [])
+        context = list(context or []) if words else []
+        if words:
+            context += [UNDECIDED] * (first_output + block_size - len(context))
         return PositionRules(None if allowed is None else frozenset(allowed),
                              frozenset(params.all_stop_token_ids or ()),
-                             params.min_tokens or 0, list(params.bad_words_token_ids or []),
-                             list(context or []), first_output)
+                             params.min_tokens or 0, words, context, first_output)
 
-    def admits(self, position: int, token: int, walked: dict[int, int]) -> bool:
-        """Whether ``token`` may stand at block position ``position``, with ``walked``
-        (block position -> token) taken before it in the same walk."""
+    def admits(self, position: int, token: int) -> bool:
+        """Whether ``token`` may stand at block position ``position``, with the tokens
+        ``place``d before it in the same walk as context."""
         if self.allowed is not None and token not in self.allowed:
             return False
         index = self.first_output + position
         if index < self.min_tokens and token in self.stops:
             return False
-        if not self.words:
-            return True
-        context = list(self.context)
-        for at, walked_token in walked.items():
-            if 0 <= self.first_output + at < len(context):
-                context[self.first_output + at] = walked_token
-        if index >= len(context):
-            context += [UNDECIDED] * (index + 1 - len(context))
-        return token not in barred_tokens(context, index, self.words)
+        return not self.words or token not in barred_tokens(self.context, index, self.words)
+
+    def place(self, position: int, token: int) -> None:
+        """The walk took ``token`` at block position ``position`` (context for the next)."""
+        if self.words:
+            self.context[self.first_output + position] = token
 
 
 def position_rules(canvases: list[Any], states: list[Any],
@@ -131,6 +136,7 @@ def position_rules(canvases: list[Any], states: list[Any],
     where some request has bad words)."""
     return [PositionRules.of(state.sampling_params,
                              canvas.start - len(state.prompt_token_ids),
-                             None if output_canvases is None else output_canvases[i])
+                             None if output_canvases is None else output_canvases[i],
+                             len(canvas.tokens))
             if wanted[i] else None
             for i, (canvas, state) in enumerate(zip(canvases, states))]

@@ -143,7 +143,6 @@ def walk(compiler: GrammarCompiler, grammar: Any, req_id: str, proposals: list[i
     and a proposal pass (None: no such constraint). Leaves the matcher as it was."""
     result = Walk([], [])
     vocab = compiler.vocab_size
-    walked: dict[int, int] = {}
     position = first
 
     def take(tokens: list[int], forced: bool) -> int:
@@ -155,13 +154,14 @@ def walk(compiler: GrammarCompiler, grammar: Any, req_id: str, proposals: list[i
         for token in tokens:
             if (position >= len(proposals) or not usable[position]
                     or grammar.is_terminated()
-                    or (rules is not None and not rules.admits(position, token, walked))
+                    or (rules is not None and not rules.admits(position, token))
                     or not grammar.accept_tokens(req_id, [token])):
                 break
             compiler.stats.grammar_accepts += 1
             result.tokens.append(token)
             result.confidence.append(1.0 if forced else confidence[position])
-            walked[position] = token
+            if rules is not None:
+                rules.place(position, token)
             position += 1
             taken += 1
         return taken

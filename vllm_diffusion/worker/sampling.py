@@ -132,11 +132,11 @@ def draw_for_requests(logits: torch.Tensor, counts: list[int], params: list,
     rows_device = rows.to(logits.device)
     scaled = logits[rows_device] / torch.tensor(temperature, device=logits.device)[:, None]
     finite = torch.isfinite(scaled.amax(dim=-1))  # [m]; no host read: one per step
-    scaled = torch.where(finite[:, None], scaled, torch.zeros_like(scaled))
+    scaled = scaled.masked_fill(~finite[:, None], 0.0)
     if invalid is not None:
         flagged = invalid[rows_device]
-        invalid[rows_device] = torch.where(finite | (flagged != ROW_VALID), flagged,
-                                           torch.full_like(flagged, ROW_NOT_FINITE))
+        invalid[rows_device] = flagged.masked_fill(~finite & (flagged == ROW_VALID),
+                                                   ROW_NOT_FINITE)
     if any(p > 0 for p in min_p):
         scaled = filter_min_p(scaled, torch.tensor(min_p, dtype=scaled.dtype,
                                                    device=logits.device))

@@ -243,13 +243,15 @@ def sft_loss(model: LLaDAModelLM, ids: torch.Tensor, prompt_lengths: torch.Tenso
 # ---------------------------------------------------------------- decoding
 @torch.no_grad()
 def generate(model: LLaDAModelLM, prompt_ids: list[int], *, mask_id: int, gen_length: int = 128,
-             block_length: int = 32, steps: int | None = None) -> list[int]:
+             block_length: int = 32, steps: int | None = None, on_step=None) -> list[int]:
     """LLaDA's ``generate.py`` at temperature 0, ``low_confidence``, no CFG, one prompt: a
     canvas of ``gen_length`` masks after the prompt, decoded in blocks of ``block_length``
     with ``steps`` (default ``gen_length``: one token per step) split evenly over the blocks;
     in a block, step i commits the ``n // s`` (+1 for the first ``n % s`` steps) masked
     positions, up to the block's end, with the highest softmax probability of their argmax
-    token. Returns the whole canvas."""
+    token. Returns the whole canvas. ``on_step(masked, chosen, block_start, block_end)``, if
+    given, is called after each step's forward and commit (masked: [L] bool before it,
+    chosen: the committed positions; absolute positions), e.g. to record the step."""
     steps = steps or gen_length
     if gen_length % block_length or steps % (gen_length // block_length):
         raise ValueError("gen_length must be a multiple of block_length, steps of the blocks")
@@ -272,6 +274,8 @@ def generate(model: LLaDAModelLM, prompt_ids: list[int], *, mask_id: int, gen_le
             confidence = torch.where(masked, confidence, float("-inf"))
             chosen = torch.topk(confidence, k=quota).indices
             x[0, chosen] = predicted[chosen]
+            if on_step is not None:
+                on_step(masked, chosen, block_end - block_length, block_end)
     return x[0, start:].tolist()
 
 
