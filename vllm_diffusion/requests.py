@@ -153,19 +153,20 @@ def validate_satisfiable(params: Any, config: DiffusionEngineConfig, vocab_size:
     ``allowed_token_ids`` minus the mask token and every one-token bad word, minus the
     stop tokens while ``min_tokens`` bars them. (What a grammar or neighbouring tokens
     bar is known only in the step, which ends such a request with an error.)"""
-    allowed = (set(range(vocab_size)) if params.allowed_token_ids is None
-               else set(params.allowed_token_ids))
+    allowed = None if params.allowed_token_ids is None else set(params.allowed_token_ids)
     barred = {config.mask_token_id}
     why = ["the mask token"]
     one_token_words = {word[0] for word in params.bad_words_token_ids or () if len(word) == 1}
-    if one_token_words & allowed:
+    if one_token_words:
         barred |= one_token_words
         why.append("bad_words")
     if params.min_tokens and params.all_stop_token_ids:
         barred |= set(params.all_stop_token_ids)
         why.append(f"min_tokens={params.min_tokens} (its stop tokens "
                    f"{sorted(params.all_stop_token_ids)})")
-    if allowed - barred:
+    # barred ids are vocabulary ids (vLLM checks them), so the whole vocabulary has one left
+    # unless every id is barred
+    if (allowed - barred) if allowed is not None else len(barred) < vocab_size:
         return
     named = ("allowed_token_ids" if params.allowed_token_ids is not None else "the vocabulary")
     raise VLLMValidationError(
