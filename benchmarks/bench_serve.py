@@ -14,27 +14,21 @@ import argparse
 import json
 import pathlib
 
+import harness
+
 DATASETS = ("random", "sharegpt")
 
 
 def plot(summary: list[dict], path: pathlib.Path, title: str) -> None:
-    import matplotlib
+    def lines(key: str) -> dict[str, list]:
+        return {dataset: [(float(r["request_rate"]), r[key]) for r in summary
+                          if r["dataset"] == dataset] for dataset in DATASETS}
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
-    for dataset in DATASETS:
-        rows = [r for r in summary if r["dataset"] == dataset]
-        rates = [r["request_rate"] for r in rows]
-        left.plot(rates, [r["output_throughput"] for r in rows], marker="o", label=dataset)
-        right.plot(rates, [r["p90_tpot_ms"] for r in rows], marker="o", label=dataset)
-    left.set(xlabel="request rate (req/s)", ylabel="output tokens/s", title="throughput")
-    right.set(xlabel="request rate (req/s)", ylabel="ms", title="P90 TPOT")
-    left.legend()
-    fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    harness.plot_panels(path, [
+        harness.Panel(f"throughput, {title}", "request rate (req/s)", "output tokens/s",
+                      lines("output_throughput")),
+        harness.Panel("P90 TPOT", "request rate (req/s)", "ms", lines("p90_tpot_ms"))],
+        width=5)
 
 
 def main() -> None:

@@ -3,14 +3,15 @@ row-layers each computes, so a policy's speed-up can be read against its ideal.
 
 For one block size, each policy (same strategy and threshold: `threshold`, 0.8 by
 default) runs in its own engine at vLLM's default compilation, the policies alternating
-within each of ``--rounds`` rounds; every batch size submits that many requests at once,
-each generating exactly ``--max-tokens`` tokens (``ignore_eos``), and tokens/s is the
-median over the rounds. Row-layers per committed token: every row each layer computed
-(prefill and block commits through every layer, block positions through the layers they
-reached), from the engine's counters. A policy's ideal speed-up over `standard` is the
-ratio of the two row-layer figures; "of ideal" is the measured speed-up over it.
+within each of ``--rounds`` rounds (``harness.alternate``); every batch size submits that
+many requests at once, each generating exactly ``--max-tokens`` tokens (``ignore_eos``),
+and tokens/s is the median over the rounds. Row-layers per committed token: every row each
+layer computed (prefill and block commits through every layer, block positions through the
+layers they reached), from the engine's counters. A policy's ideal speed-up over
+`standard` is the ratio of the two row-layer figures; "of ideal" is the measured speed-up
+over it. JSON and a PNG.
 
-``--shape embedded``: the default model with chat prompts of the evaluation split.
+``--shape embedded``: the model (``--model``) with chat prompts of the evaluation split.
 ``--shape large``: a compute-bound random SDAR (12 layers, hidden 768; written to
 ``results/large-random-sdar``) with random 64-token prompts.
 
@@ -21,15 +22,11 @@ ratio of the two row-layer figures; "of ideal" is the measured speed-up over it.
 from __future__ import annotations
 
 import argparse
-import json
 import pathlib
-import statistics
 import time
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-LARGE_SHAPE = {"num_layers": 12, "hidden_size": 768, "num_heads": 12, "num_kv_heads": 4,
-               "head_dim": 64, "block_size": 32}
-LARGE_MODEL = ROOT / "results/large-random-sdar"
+import harness
+from throughput_vs_ar import LARGE_MODEL, LARGE_SHAPE, large_workload
 
 
 def row_layers_per_token(stats: dict, num_layers: int) -> float:
@@ -40,53 +37,52 @@ def row_layers_per_token(stats: dict, num_layers: int) -> float:
 
 
 def workload(shape: str, llm, count: int) -> list:
-    import random
-
-    from vllm.inputs import TokensPrompt
-
     from vllm_diffusion_lab.quality.corpus import eval_examples
     from vllm_diffusion_lab.quality.harness import chat_prompts
 
     if shape == "embedded":
         prompts = chat_prompts(llm.get_tokenizer(), eval_examples(20))
         return [prompts[i % len(prompts)] for i in range(count)]
-    rng = random.Random(0)
-    vocab = llm.llm_engine.vllm_config.model_config.hf_config.vocab_size
-    return [TokensPrompt(prompt_token_ids=[rng.randrange(16, vocab) for _ in range(64)])
-            for _ in range(count)]
+    return large_workload(llm.llm_engine.vllm_config.model_config.hf_config.vocab_size, count)
 
 
-def run_cell(llm, prompts: list, max_tokens: int, options: dict) -> dict:
+def policy_engine(policy: str, args, model, options: dict) -> dict:
+    """One engine of ``policy``: its start-up (the first compiled forward with hooks
+    included) and per batch size its tokens/s and row-layers per committed token."""
     from vllm import SamplingParams
 
-    from vllm_diffusion_lab.offline import stats_delta
+    from vllm_diffusion_lab.offline import diffusion_llm
 
-    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True,
-                            extra_args=options)
-    before = llm.collective_rpc("diffusion_stats")[0]
+    def params(max_tokens: int):
+        return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True,
+                              extra_args=options)
+
     start = time.perf_counter()
-    outputs = llm.generate(prompts, params, use_tqdm=False)
-    wall = time.perf_counter() - start
-    stats = stats_delta(before, llm.collective_rpc("diffusion_stats")[0])
-    tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
-    return {"tokens_per_s": tokens / wall, "stats": stats}
+    with diffusion_llm(model, diffusion_block_size=args.block_size, max_model_len=1024,
+                       max_num_seqs=max(args.batch_sizes), enforce_eager=args.eager,
+                       additional_config={"diffusion_policy": policy}) as llm:
+        num_layers = llm.llm_engine.vllm_config.model_config.hf_config.num_hidden_layers
+        prompts = workload(args.shape, llm, max(args.batch_sizes))
+        # the first forward with hooks compiles the pieces: a warm-up request
+        llm.generate(prompts[:2], params(args.block_size), use_tqdm=False)
+        result = {"startup_s": time.perf_counter() - start}
+        for batch in args.batch_sizes:
+            run = harness.generate(llm, prompts[:batch], params(args.max_tokens), counters=True)
+            result[batch] = {"tokens_per_s": run.tokens_per_s,
+                             "row_layers": row_layers_per_token(run.stats, num_layers)}
+    return result
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    harness.add_common_options(parser, out="results/compiled_hooks.json",
+                               batch_sizes=[16, 32, 64], rounds=3, max_tokens=64)
     parser.add_argument("--shape", choices=("embedded", "large"), default="embedded")
     parser.add_argument("--block-size", type=int, default=32)
-    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[16, 32, 64])
     parser.add_argument("--policies", nargs="+", default=["standard", "focus", "es"])
     parser.add_argument("--threshold", type=float, default=0.8)
-    parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--eager", action="store_true", help="every engine eager")
-    parser.add_argument("--out", type=pathlib.Path, default=ROOT / "results/compiled_hooks.json")
     args = parser.parse_args()
-
-    from vllm_diffusion.default_model import default_model_path
-    from vllm_diffusion_lab.offline import diffusion_llm
 
     if args.shape == "large":
         from vllm_diffusion_lab.fixtures.tiny_sdar import build_tiny_sdar
@@ -94,44 +90,27 @@ def main() -> None:
         model = (LARGE_MODEL if (LARGE_MODEL / "config.json").exists()
                  else build_tiny_sdar(LARGE_MODEL, **LARGE_SHAPE))
     else:
-        model = default_model_path()
+        model = harness.model_path(args)
     options = {"strategy": "threshold", "threshold": args.threshold}
-    speeds: dict = {}
-    work: dict = {}
-    startup: dict = {}
-    for round_index in range(args.rounds):
-        for policy in args.policies:
-            start = time.perf_counter()
-            with diffusion_llm(model, diffusion_block_size=args.block_size,
-                               max_model_len=1024, max_num_seqs=max(args.batch_sizes),
-                               enforce_eager=args.eager,
-                               additional_config={"diffusion_policy": policy}) as llm:
-                num_layers = llm.llm_engine.vllm_config.model_config.hf_config.num_hidden_layers
-                prompts = workload(args.shape, llm, max(args.batch_sizes))
-                # the first forward with hooks compiles the pieces: a warm-up request
-                run_cell(llm, prompts[:2], args.block_size, options)
-                startup.setdefault(policy, []).append(time.perf_counter() - start)
-                for batch in args.batch_sizes:
-                    cell = run_cell(llm, prompts[:batch], args.max_tokens, options)
-                    speeds.setdefault((policy, batch), []).append(cell["tokens_per_s"])
-                    work[(policy, batch)] = row_layers_per_token(cell["stats"], num_layers)
-            print(f"round {round_index + 1}: {policy} done", flush=True)
+    measured = harness.alternate(args.policies, args.rounds,
+                                 lambda policy: policy_engine(policy, args, model, options))
     rows = []
     for batch in args.batch_sizes:
-        base_speed = statistics.median(speeds[("standard", batch)])
+        cells = {p: [r[batch] for r in measured[p]] for p in args.policies}
+        base = harness.median_of(cells["standard"], "tokens_per_s")["tokens_per_s"]
+        base_work = cells["standard"][-1]["row_layers"]
         for policy in args.policies:
-            speed = statistics.median(speeds[(policy, batch)])
-            ideal = work[("standard", batch)] / work[(policy, batch)]
-            rows.append({"policy": policy, "batch_size": batch, "tokens_per_s": speed,
-                         "tokens_per_s_each_round": speeds[(policy, batch)],
-                         "row_layers_per_token": work[(policy, batch)],
-                         "speedup": speed / base_speed, "ideal_speedup": ideal,
-                         "of_ideal": (speed / base_speed) / ideal})
+            speed = harness.median_of(cells[policy], "tokens_per_s")
+            work = cells[policy][-1]["row_layers"]
+            speedup, ideal = speed["tokens_per_s"] / base, base_work / work
+            rows.append({"policy": policy, "batch_size": batch, **speed,
+                         "row_layers_per_token": work, "speedup": speedup,
+                         "ideal_speedup": ideal, "of_ideal": speedup / ideal})
+    startup = {p: [r["startup_s"] for r in measured[p]] for p in args.policies}
     report = {"shape": args.shape, "block_size": args.block_size, "options": options,
               "rounds": args.rounds, "eager": args.eager, "max_tokens": args.max_tokens,
               "startup_s": startup, "rows": rows}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=1) + "\n")
+    harness.write_report(report, args.out, plot)
     print("| policy | batch | tokens/s | row-layers / token | / standard | ideal | of ideal |")
     print("|---|---|---|---|---|---|---|")
     for r in rows:
@@ -140,6 +119,15 @@ def main() -> None:
               f"{r['of_ideal']:.2f} |")
     print("start-up with the first compiled forward (s):",
           {p: [round(t, 1) for t in ts] for p, ts in startup.items()})
+
+
+def plot(report: dict, path: pathlib.Path) -> None:
+    lines: dict[str, list] = {}
+    for r in report["rows"]:
+        lines.setdefault(r["policy"], []).append((r["batch_size"], r["speedup"]))
+    harness.plot_panels(path, [harness.Panel(
+        f"{report['shape']}, block {report['block_size']}", "batch size",
+        "tokens/s over standard's", lines, reference=1.0)])
 
 
 if __name__ == "__main__":

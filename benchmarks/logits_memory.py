@@ -2,10 +2,10 @@
 
 A diffusion step makes logits for every computed block position, batch x block x
 vocabulary of them. One in-process eager engine per configuration, each in a fresh
-process (``ru_maxrss`` only grows): a tiny random SDAR with a large vocabulary (LLaDA2's
-157,184 by default), block 32, 24-token prompts, 64 output tokens each (``ignore_eos``,
-no detokenisation: ids past the tokenizer have no text), a batch-1 run then a batch-64
-run; the growth of the peak between the two is what the batch adds. Configurations: the
+process (``ru_maxrss`` only grows; ``harness.run_child``): a tiny random SDAR with a large
+vocabulary (LLaDA2's 157,184 by default), block 32, 24-token prompts, 64 output tokens
+each (``ignore_eos``, no detokenisation: ids past the tokenizer have no text), a batch-1
+run then a batch-64 run; the growth of the peak between the two is what the batch adds. Configurations: the
 engine's default logits budget (``diffusion_logits_memory_mib``) and one large enough that
 the whole step's logits exist at once (what every step did before chunking), both greedy;
 and the default budget with sampled requests (temperature 0.8, top-p 0.9, seeded) asking
@@ -21,11 +21,10 @@ import argparse
 import json
 import pathlib
 import resource
-import subprocess
-import sys
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-MODEL = ROOT / "results/large-vocab-sdar"
+import harness
+
+MODEL = harness.ROOT / "results/large-vocab-sdar"
 UNBOUNDED_MIB = 1 << 20
 
 
@@ -66,10 +65,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--vocab", type=int, default=157_184)
     parser.add_argument("--block-size", type=int, default=32)
-    parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 64])
     parser.add_argument("--one", default=None, help=argparse.SUPPRESS)  # child: budget
-    parser.add_argument("--out", type=pathlib.Path, default=ROOT / "results/logits_memory.json")
+    harness.add_common_options(parser, out="results/logits_memory.json", batch_sizes=[1, 64],
+                               max_tokens=64, model=False)
     args = parser.parse_args()
     if args.one is not None:  # a child process: one configuration
         name, _, kind = args.one.partition(":")
@@ -79,15 +77,11 @@ def main() -> None:
     from vllm_diffusion_lab.fixtures.tiny_sdar import build_tiny_sdar
 
     build_tiny_sdar(MODEL, block_size=args.block_size, model_vocab_size=args.vocab)
-    runs = {}
     labels = {"default": "default budget", str(UNBOUNDED_MIB): "whole step at once",
               "default:sampled": "default budget, sampled with 5 logprobs"}
-    for name in labels:
-        child = subprocess.run(
-            [sys.executable, __file__, "--one", name, "--block-size", str(args.block_size),
-             "--max-tokens", str(args.max_tokens), "--batch-sizes",
-             *map(str, args.batch_sizes)], capture_output=True, text=True, check=True)
-        runs[name] = json.loads(child.stdout.strip().splitlines()[-1])
+    runs = {name: harness.run_child([__file__, "--one", name, "--block-size", args.block_size,
+                                     "--max-tokens", args.max_tokens, "--batch-sizes",
+                                     *args.batch_sizes]) for name in labels}
     first, last = str(min(args.batch_sizes)), str(max(args.batch_sizes))
     report = {"vocab": args.vocab, "block_size": args.block_size, "configs": {}}
     for name, run in runs.items():
@@ -99,8 +93,7 @@ def main() -> None:
     same = runs["default"]["tokens"] == runs[str(UNBOUNDED_MIB)]["tokens"]
     report["same_tokens"] = same
     print("same tokens with and without chunks:", same)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=1) + "\n")
+    harness.write_report(report, args.out)
 
 
 if __name__ == "__main__":

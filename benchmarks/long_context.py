@@ -11,7 +11,7 @@ asked for) are submitted at once, greedily, through a ``standard`` engine and a
   tokens, ``ignore_eos``, and its answer is read up to its end-of-turn token) and the time
   of the denoising steps
   (steps with no prompt prefill), split into attention (the attention backend's forward,
-  selection included) and the rest of the step;
+  selection included) and the rest of the step (``step_timing.StepClock``);
 - the share of requests whose whole output equals ``standard``'s (fidelity of the
   sparsity, meaningful even where the model cannot solve the task).
 
@@ -35,54 +35,35 @@ import argparse
 import json
 import pathlib
 import statistics
-import time
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+import harness
+from step_timing import StepClock, mean_ms, model_runner
 
 TOKENS_PER_WORD = 1.22  # the project tokenizer on filler text (measured)
 
 
-class StepTimes:
-    """Wraps the runner's ``execute_model`` and the attention backend's forward; keeps,
-    per step, its wall time, its attention time and whether it prefilled prompt rows."""
+def step_clock(runner, block_size: int) -> StepClock:
+    """Each of the runner's steps (``execute_model``) timed, noted as prefilling prompt rows
+    or not, with the attention backend's forward timed inside it."""
+    from vllm_diffusion.attention import backend
 
-    def __init__(self, runner, block_size: int) -> None:
-        from vllm_diffusion.attention import backend
+    def prefills(scheduler_output, *args, **kwargs) -> bool:
+        return any(n > 2 * block_size for n in scheduler_output.num_scheduled_tokens.values())
 
-        self.steps: list[tuple[float, float, bool]] = []
-        self.attention = 0.0
-        execute = runner.execute_model
-        impl_forward = backend.BlockDiffusionAttentionImpl.forward
+    clock = StepClock()
+    clock.wrap(runner, "execute_model", "step", step=True, note=prefills)
+    clock.wrap(backend.BlockDiffusionAttentionImpl, "forward", "attention")
+    return clock
 
-        def timed_attention(impl, *args, **kwargs):
-            start = time.perf_counter()
-            try:
-                return impl_forward(impl, *args, **kwargs)
-            finally:
-                self.attention += time.perf_counter() - start
 
-        def timed_execute(scheduler_output, *args, **kwargs):
-            self.attention, start = 0.0, time.perf_counter()
-            try:
-                return execute(scheduler_output, *args, **kwargs)
-            finally:
-                scheduled = scheduler_output.num_scheduled_tokens.values()
-                prefill = any(n > 2 * block_size for n in scheduled)
-                self.steps.append((time.perf_counter() - start, self.attention, prefill))
-
-        runner.execute_model = timed_execute
-        backend.BlockDiffusionAttentionImpl.forward = timed_attention
-        self.restore = lambda: setattr(backend.BlockDiffusionAttentionImpl, "forward",
-                                       impl_forward)
-
-    def denoising(self) -> dict[str, float]:
-        rows = [(wall, attention) for wall, attention, prefill in self.steps if not prefill]
-        if not rows:
-            return {"steps": 0}
-        walls, attentions = zip(*rows)
-        return {"steps": len(rows), "step_ms": 1e3 * statistics.mean(walls),
-                "attention_ms": 1e3 * statistics.mean(attentions),
-                "rest_ms": 1e3 * (statistics.mean(walls) - statistics.mean(attentions))}
+def denoising(clock: StepClock) -> dict[str, float]:
+    """Mean wall and attention time of the steps without prompt prefill."""
+    steps = [s.seconds for s in clock.steps if not s.note]
+    if not steps:
+        return {"steps": 0}
+    times = mean_ms(steps, ("step", "attention"))
+    return {"steps": len(steps), "step_ms": times["step"], "attention_ms": times["attention"],
+            "rest_ms": times["step"] - times["attention"]}
 
 
 def problems(tokenizer, length: int, count: int, seed: int) -> tuple[list[str], list[str]]:
@@ -104,66 +85,51 @@ def answer_text(tokenizer, token_ids: list[int]) -> str:
     return tokenizer.decode(token_ids[:end], skip_special_tokens=True).strip()
 
 
-def run_cell(llm, timer: StepTimes, prompts, answers, options, max_tokens) -> dict:
+def run_cell(llm, clock: StepClock, prompts, answers, options, max_tokens) -> dict:
     """Every request generates ``max_tokens`` (``ignore_eos``: equal work for every policy);
     the answer is read up to the first end-of-turn token."""
     from vllm import SamplingParams
 
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True,
                             extra_args=options)
-    timer.steps.clear()
-    start = time.perf_counter()
-    outputs = llm.generate(prompts, params, use_tqdm=False)
-    wall = time.perf_counter() - start
+    clock.clear()
+    run = harness.generate(llm, prompts, params)
     tokenizer = llm.get_tokenizer()
-    texts = [answer_text(tokenizer, list(o.outputs[0].token_ids)) for o in outputs]
-    tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+    texts = [answer_text(tokenizer, ids) for ids in run.token_ids()]
     return {"accuracy": sum(t == a for t, a in zip(texts, answers)) / len(answers),
-            "token_ids": [list(o.outputs[0].token_ids) for o in outputs],
-            "output_tokens_per_s": tokens / wall, "wall_s": wall,
-            "samples": texts[:3], **timer.denoising()}
+            "token_ids": run.token_ids(), "output_tokens_per_s": run.tokens_per_s,
+            "wall_s": run.seconds, "samples": texts[:3], **denoising(clock)}
 
 
-def plot(cells: list[dict], path: pathlib.Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (speed, accuracy) = plt.subplots(1, 2, figsize=(10, 4))
-    for label in dict.fromkeys(c["label"] for c in cells):
-        rows = [c for c in cells if c["label"] == label]
-        lengths = [c["prompt_tokens"] for c in rows]
-        speed.plot(lengths, [c["denoising_speedup"] for c in rows], marker="o", label=label)
-        accuracy.plot(lengths, [c["accuracy"] for c in rows], marker="o", label=label)
-    speed.set(xlabel="prompt tokens", ylabel="denoising step time, standard / policy",
-              title="speed of denoising steps")
-    accuracy.set(xlabel="prompt tokens", ylabel="retrieval accuracy", ylim=(-0.05, 1.05),
-                 title="accuracy")
-    speed.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+def plot(report: dict, path: pathlib.Path) -> None:
+    speed: dict[str, list] = {}
+    accuracy: dict[str, list] = {}
+    for c in report["cells"]:
+        speed.setdefault(c["label"], []).append((c["prompt_tokens"], c["denoising_speedup"]))
+        accuracy.setdefault(c["label"], []).append((c["prompt_tokens"], c["accuracy"]))
+    harness.plot_panels(path, [
+        harness.Panel("speed of denoising steps", "prompt tokens",
+                      "denoising step time, standard / policy", speed, log2_x=False),
+        harness.Panel("accuracy", "prompt tokens", "retrieval accuracy", accuracy,
+                      log2_x=False)])
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default=None, help="default: the default model")
     # 3,968: the longest prompt that leaves room for 64 output tokens and block padding in
     # a 4,096-position context
     parser.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048, 3968])
     parser.add_argument("--block-size", type=int, default=32)
     parser.add_argument("--ratios", type=float, nargs="+", default=[0.5, 0.3, 0.1])
     parser.add_argument("--problems", type=int, default=8)
-    parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--strategy", default="low_confidence_static")
-    parser.add_argument("--out", type=pathlib.Path, default=ROOT / "results/long_context.json")
+    harness.add_common_options(parser, out="results/long_context.json", max_tokens=64)
     args = parser.parse_args()
 
-    from vllm_diffusion.default_model import default_model_path
     from vllm_diffusion_lab.offline import diffusion_llm
 
-    args.model = args.model or str(default_model_path())
+    args.model = harness.model_path(args)
     strategy = {"strategy": args.strategy, "denoising_steps": args.block_size}
     context = json.loads((pathlib.Path(args.model) / "config.json").read_text())[
         "max_position_embeddings"]
@@ -180,13 +146,11 @@ def main() -> None:
                            max_model_len=max_model_len,
                            max_num_seqs=args.problems, enable_prefix_caching=False,
                            additional_config={"diffusion_policy": policy}) as llm:
-            runner = (llm.llm_engine.engine_core.engine_core.model_executor.driver_worker
-                      .worker.model_runner)
-            timer = StepTimes(runner, args.block_size)
+            clock = step_clock(model_runner(llm), args.block_size)
             tokenizer = llm.get_tokenizer()
-            try:
+            with clock:
                 warm_prompts, warm_answers = problems(tokenizer, 256, 2, seed=1)
-                run_cell(llm, timer, warm_prompts, warm_answers, strategy, 8)
+                run_cell(llm, clock, warm_prompts, warm_answers, strategy, 8)
                 for length in args.lengths:
                     prompts, answers = problems(tokenizer, length, args.problems, seed=length)
                     lengths[length] = statistics.mean(len(tokenizer(p)["input_ids"])
@@ -194,15 +158,13 @@ def main() -> None:
                     for label, name, options in configs:
                         if name != policy:
                             continue
-                        cell = run_cell(llm, timer, prompts, answers, {**strategy, **options},
+                        cell = run_cell(llm, clock, prompts, answers, {**strategy, **options},
                                         args.max_tokens)
                         results[label, length] = cell
                         print(f"{length:>5} {label:<14} acc {cell['accuracy']:.2f}  "
                               f"{cell['output_tokens_per_s']:7.1f} tok/s  step "
                               f"{cell.get('step_ms', 0):7.1f} ms (attention "
                               f"{cell.get('attention_ms', 0):6.1f})", flush=True)
-            finally:
-                timer.restore()
     cells = []
     for length in args.lengths:
         base = results["standard", length]
@@ -217,11 +179,9 @@ def main() -> None:
                           "throughput_vs_standard": (cell["output_tokens_per_s"]
                                                      / base["output_tokens_per_s"]),
                           "denoising_speedup": base["step_ms"] / cell["step_ms"]})
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"model": args.model, "block_size": args.block_size,
-                                    "problems": args.problems, "strategy": strategy,
-                                    "cells": cells}, indent=2) + "\n")
-    plot(cells, args.out.with_suffix(".png"))
+    harness.write_report({"model": args.model, "block_size": args.block_size,
+                          "problems": args.problems, "strategy": strategy, "cells": cells},
+                         args.out, plot)
     print(f"wrote {args.out}")
 
 

@@ -9,7 +9,7 @@ submitted at once. Reported per policy and block: exact-match accuracy per famil
 layer per committed token (and grouped into runs of layers with the same count), all rows
 per committed token (prefill and commits included), output tokens/s and its ratio to
 ``standard`` at the same block size. ``--rounds`` > 1 repeats every engine, alternating
-the policies, and reports the median throughput. JSON and a PNG.
+the policies (``harness.alternate``), and reports the median throughput. JSON and a PNG.
 
     python benchmarks/policy_comparison.py [--model DIR] [--block-sizes 16 32]
         [--batch-size 32] [--per-family 60]
@@ -18,14 +18,13 @@ the policies, and reports the median throughput. JSON and a PNG.
 from __future__ import annotations
 
 import argparse
-import json
+import functools
 import math
 import pathlib
-import statistics
 import subprocess
 import sys
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+import harness
 
 
 def wilson(successes: int, total: int, z: float = 1.96) -> tuple[float, float]:
@@ -76,92 +75,80 @@ def run_policy(llm, examples: list, max_tokens: int) -> dict:
 def ensure_latency_profile(model: str, block: int, path: pathlib.Path) -> pathlib.Path:
     if not path.exists():
         path.parent.mkdir(parents=True, exist_ok=True)
-        subprocess.run([sys.executable, str(ROOT / "tools" / "profile_latency.py"), "--model",
-                        model, "--block-size", str(block), "--out", str(path)], check=True)
+        subprocess.run([sys.executable, str(harness.ROOT / "tools" / "profile_latency.py"),
+                        "--model", model, "--block-size", str(block), "--out", str(path)],
+                       check=True)
     return path
 
 
-def plot(results: list[dict], path: pathlib.Path) -> None:
-    import matplotlib
+def plot(report: dict, path: pathlib.Path) -> None:
+    results = report["results"]
+    speed_accuracy: dict[str, list] = {}
+    per_layer: dict[int, dict[str, list]] = {}
+    for r in results:
+        speed_accuracy[f"{r['policy']} B={r['block_size']}"] = [
+            (r["throughput_ratio"], r["mean_accuracy"])]
+        per_layer.setdefault(r["block_size"], {})[r["policy"]] = list(
+            enumerate(r["layer_positions_per_committed_token"]))
+    harness.plot_panels(path, [
+        harness.Panel("accuracy vs speed", "throughput / standard",
+                      "mean accuracy over families", speed_accuracy, log2_x=False),
+        *(harness.Panel(f"work per layer, B={block}", "layer",
+                        "block positions / committed token", lines, log2_x=False)
+          for block, lines in sorted(per_layer.items()))], width=5)
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
-    blocks = sorted({r["block_size"] for r in results})
-    fig, axes = plt.subplots(1, 1 + len(blocks), figsize=(5 * (1 + len(blocks)), 4))
-    for block, marker in zip(blocks, "os^D"):
-        for r in (r for r in results if r["block_size"] == block):
-            axes[0].scatter(r["throughput_ratio"], r["mean_accuracy"], marker=marker)
-            axes[0].annotate(f"{r['policy']} B={block}", (r["throughput_ratio"],
-                                                           r["mean_accuracy"]), fontsize=7)
-    axes[0].axvline(1.0, color="grey", linewidth=0.8)
-    axes[0].set(xlabel="throughput / standard", ylabel="mean accuracy over families",
-                title="accuracy vs speed")
-    for ax, block in zip(axes[1:], blocks):
-        for r in (r for r in results if r["block_size"] == block):
-            ax.plot(r["layer_positions_per_committed_token"], marker=".", label=r["policy"])
-        ax.set(xlabel="layer", ylabel="block positions / committed token",
-               title=f"work per layer, B={block}")
-        ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+def policy_engine(policy: str, block: int, args, model: str, engine_options: dict,
+                  examples) -> dict:
+    from vllm_diffusion_lab.offline import diffusion_llm
+
+    with diffusion_llm(model, diffusion_block_size=block, max_model_len=1024,
+                       max_num_seqs=args.batch_size,
+                       max_num_batched_tokens=max(4096, 4 * block * args.batch_size),
+                       additional_config=engine_options[policy]) as llm:
+        result = run_policy(llm, examples, args.max_tokens)
+    print(f"B={block} {policy}: {result['output_tokens_per_s']:.0f} tok/s, "
+          f"mean accuracy {result['mean_accuracy']:.3f}", flush=True)
+    return result
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default=None)
+    harness.add_common_options(parser, out="results/policy_comparison.json", rounds=1,
+                               max_tokens=128)
     parser.add_argument("--policies", nargs="+", default=None, help="default: all registered")
     parser.add_argument("--block-sizes", type=int, nargs="+", default=[16, 32])
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--per-family", type=int, default=60)
-    parser.add_argument("--max-tokens", type=int, default=128)
-    parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--latency-profile", type=pathlib.Path, default=None)
-    parser.add_argument("--out", default="results/policy_comparison.json")
     args = parser.parse_args()
 
-    from vllm_diffusion.default_model import default_model_path
     from vllm_diffusion.policies import POLICIES
-    from vllm_diffusion_lab.offline import diffusion_llm
     from vllm_diffusion_lab.quality.corpus import eval_examples
 
-    model = str(args.model or default_model_path())
+    model = harness.model_path(args)
     policies = args.policies or list(POLICIES)
-    out = pathlib.Path(args.out)
     examples = eval_examples(args.per_family)
-    measured: dict[tuple[int, str], list[dict]] = {}
+    results = []
     for block in args.block_sizes:
         engine_options = {p: {"diffusion_policy": p} for p in policies}
         if "elastic" in policies:
-            profile = args.latency_profile or out.with_name(f"latency-b{block}.json")
+            profile = args.latency_profile or args.out.with_name(f"latency-b{block}.json")
             engine_options["elastic"]["latency_profile"] = str(
                 ensure_latency_profile(model, block, profile))
-        for _ in range(args.rounds):
-            for policy in policies:
-                with diffusion_llm(model, diffusion_block_size=block, max_model_len=1024,
-                                   max_num_seqs=args.batch_size,
-                                   max_num_batched_tokens=max(4096, 4 * block * args.batch_size),
-                                   additional_config=engine_options[policy]) as llm:
-                    result = run_policy(llm, examples, args.max_tokens)
-                measured.setdefault((block, policy), []).append(result)
-                print(f"B={block} {policy}: {result['output_tokens_per_s']:.0f} tok/s, "
-                      f"mean accuracy {result['mean_accuracy']:.3f}", flush=True)
-    results = []
-    for block in args.block_sizes:
-        speeds = {p: statistics.median(r["output_tokens_per_s"] for r in measured[(block, p)])
-                  for p in policies}
+        measured = harness.alternate(policies, args.rounds, functools.partial(
+            policy_engine, block=block, args=args, model=model,
+            engine_options=engine_options, examples=examples))
+        speeds = {p: harness.median_of(measured[p], "output_tokens_per_s",
+                                       "output_tokens_per_s_rounds") for p in policies}
         for policy in policies:
-            cell = dict(measured[(block, policy)][0])
-            cell["output_tokens_per_s_rounds"] = [r["output_tokens_per_s"]
-                                                  for r in measured[(block, policy)]]
-            cell["output_tokens_per_s"] = speeds[policy]
-            cell["throughput_ratio"] = speeds[policy] / speeds.get("standard", speeds[policy])
+            cell = {**measured[policy][0], **speeds[policy]}
+            cell["throughput_ratio"] = (speeds[policy]["output_tokens_per_s"]
+                                        / speeds.get("standard", speeds[policy])[
+                                            "output_tokens_per_s"])
             results.append({"block_size": block, "policy": policy, **cell})
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"model": model, "batch_size": args.batch_size,
-                               "per_family": args.per_family, "results": results},
-                              indent=2) + "\n")
-    plot(results, out.with_suffix(".png"))
+    harness.write_report({"model": model, "batch_size": args.batch_size,
+                          "per_family": args.per_family, "results": results}, args.out, plot)
     for r in results:
         groups = ", ".join(f"L{g['layers'][0]}-{g['layers'][1]} {g['positions_per_token']:.2f}"
                            for g in r["layer_groups"])

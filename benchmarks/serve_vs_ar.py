@@ -21,7 +21,7 @@ import os
 import pathlib
 import tempfile
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+import harness
 
 
 def server_args(name: str, profile: str | None) -> list[str]:
@@ -45,7 +45,8 @@ def main() -> None:
     parser.add_argument("--slo-ms", type=float, default=100.0, help="P90 TPOT objective")
     parser.add_argument("--latency-profile", default=None,
                         help="a warm start for the elastic server's latency model (optional)")
-    parser.add_argument("--out-dir", type=pathlib.Path, default=ROOT / "results/serve_vs_ar")
+    parser.add_argument("--out-dir", type=pathlib.Path,
+                        default=harness.ROOT / "results/serve_vs_ar")
     args = parser.parse_args()
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # the same KV budget for every server
 
@@ -89,26 +90,15 @@ def main() -> None:
 
 
 def plot(runs: dict[str, list[dict]], args, path: pathlib.Path) -> None:
-    import matplotlib
+    def lines(key: str) -> dict[str, list]:
+        return {name: [(float(r["request_rate"]), r[key]) for r in rows]
+                for name, rows in runs.items()}
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
-    for name, rows in runs.items():
-        rates = [float(r["request_rate"]) for r in rows]
-        left.plot(rates, [r["output_throughput"] for r in rows], marker="o", label=name)
-        right.plot(rates, [r["p90_tpot_ms"] for r in rows], marker="o", label=name)
-    right.axhline(args.slo_ms, color="grey", linestyle=":", label=f"SLO {args.slo_ms:g} ms")
-    for ax in (left, right):
-        ax.set_xscale("log", base=2)
-        ax.grid(alpha=0.3)
-    left.set(xlabel="request rate (req/s)", ylabel="output tokens/s", title="throughput")
-    right.set(xlabel="request rate (req/s)", ylabel="ms", title="P90 TPOT")
-    left.legend(fontsize=8)
-    right.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    harness.plot_panels(path, [
+        harness.Panel("throughput", "request rate (req/s)", "output tokens/s",
+                      lines("output_throughput")),
+        harness.Panel(f"P90 TPOT (objective {args.slo_ms:g} ms)", "request rate (req/s)",
+                      "ms", lines("p90_tpot_ms"), reference=args.slo_ms)], width=5)
 
 
 if __name__ == "__main__":

@@ -3,15 +3,16 @@ same weights: scheduler, the runner's planning and input preparation, forward, l
 proposals / sampling, commit choice, the scheduler's update, output processing
 (detokenisation included), and the rest of the engine step.
 
-Both sides run in this process, one engine at a time, at vLLM's defaults (compiled;
-``--eager`` for both eager), on the embedded default model (the autoregressive side on a
-copy whose config says ``Qwen3ForCausalLM``), with b greedy chat requests of the
-evaluation families submitted at once and ``--max-tokens`` output tokens each
-(``ignore_eos``). Every engine step of the measured run is timed by wrapping the engine's
-own methods (inclusive times; each category's exclusive time is its inclusive time less
-the categories nested in it); the JSON holds the mean milliseconds per engine step of each
+Both sides run in this process, one engine at a time, alternating in each of
+``--rounds`` rounds (``harness.alternate``), at vLLM's defaults (compiled; ``--eager`` for
+both eager), on the model (``--model``; the autoregressive side on a copy whose config
+says ``Qwen3ForCausalLM``), with b greedy chat requests of the evaluation families
+submitted at once and ``--max-tokens`` output tokens each (``ignore_eos``). Every engine
+step of the measured run is timed by wrapping the engine's own methods
+(``step_timing.StepClock``; each category's exclusive time is its inclusive time less the
+categories nested in it); the JSON holds the mean milliseconds per engine step of each
 category, the steps, output tokens per step and wall time per output token, per side and
-batch size, and the PNG stacks them.
+batch size (medians over the rounds), and the PNG stacks them.
 
     python benchmarks/step_breakdown.py [--batch-sizes 1 4 16 64] [--rounds 1]
 writes results/step_breakdown.{json,png}.
@@ -20,63 +21,32 @@ writes results/step_breakdown.{json,png}.
 from __future__ import annotations
 
 import argparse
-import collections
-import json
+import functools
 import os
 import pathlib
 import statistics
 import tempfile
-import time
 
-# category -> the categories timed inside it (their time is taken out of it)
+import harness
+from step_timing import StepClock, exclusive, mean_ms, model_runner
+
+# category -> (its rest, the categories timed inside it, whose time is taken out of it)
 NESTED = {
-    "engine_step": ("schedule", "execute_model", "update_from_output", "output_processing"),
-    "execute_model": ("planning", "forward", "logits", "proposals", "commit_choice"),
+    "engine_step": ("engine_other", ("schedule", "execute_model", "update_from_output",
+                                     "output_processing")),
+    "execute_model": ("runner_other", ("planning", "forward", "logits", "proposals",
+                                       "commit_choice")),
 }
 CATEGORIES = ("schedule", "planning", "runner_other", "forward", "logits", "proposals",
               "commit_choice", "update_from_output", "output_processing", "engine_other")
-
-
-class StepClock:
-    """Inclusive seconds per category for each engine step."""
-
-    def __init__(self) -> None:
-        self.steps: list[collections.Counter] = []
-        self.current: collections.Counter | None = None
-
-    def wrap(self, owner, attribute: str, category: str, step: bool = False) -> None:
-        function = getattr(owner, attribute)
-        clock = self
-
-        def timed(*args, **kwargs):
-            if step:
-                clock.current = collections.Counter()
-            start = time.perf_counter()
-            try:
-                return function(*args, **kwargs)
-            finally:
-                if clock.current is not None:
-                    clock.current[category] += time.perf_counter() - start
-                if step:
-                    clock.steps.append(clock.current)
-                    clock.current = None
-
-        setattr(owner, attribute, timed)
-
-    def exclusive(self, inclusive: collections.Counter) -> dict[str, float]:
-        out = dict(inclusive)
-        out["runner_other"] = inclusive["execute_model"] - sum(
-            inclusive[c] for c in NESTED["execute_model"])
-        out["engine_other"] = inclusive["engine_step"] - sum(
-            inclusive[c] for c in NESTED["engine_step"])
-        return {c: out.get(c, 0.0) for c in CATEGORIES}
+SIDES = ("plugin", "autoregressive")
 
 
 def instrument(llm, diffusion: bool) -> StepClock:
     clock = StepClock()
     engine = llm.llm_engine
     core = engine.engine_core.engine_core
-    runner = core.model_executor.driver_worker.worker.model_runner
+    runner = model_runner(llm)
     clock.wrap(engine, "step", "engine_step", step=True)
     clock.wrap(core.scheduler, "schedule", "schedule")
     clock.wrap(core.scheduler, "update_from_output", "update_from_output")
@@ -85,7 +55,7 @@ def instrument(llm, diffusion: bool) -> StepClock:
     clock.wrap(runner.model, "forward", "forward")
     clock.wrap(runner.model, "compute_logits", "logits")
     if diffusion:
-        clock.wrap(runner, "_plan", "planning")
+        clock.wrap(runner, "_prepare", "planning")
         clock.wrap(runner.proposals, "propose", "proposals")
         clock.wrap(runner.policy, "choose_commits", "commit_choice")
     else:
@@ -97,72 +67,65 @@ def instrument(llm, diffusion: bool) -> StepClock:
     return clock
 
 
-def measure(llm, diffusion: bool, prompts: list[str], batch: int, max_tokens: int) -> dict:
+def side_engine(side: str, args, model, ar_model, examples) -> dict[int, dict]:
+    """One engine of ``side`` through every batch size (a warm-up run at each first)."""
     from vllm import SamplingParams
 
-    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-    llm.generate(prompts[:batch], params, use_tqdm=False)  # warm-up at this batch
-    clock = instrument(llm, diffusion)
-    start = time.perf_counter()
-    outputs = llm.generate(prompts[:batch], params, use_tqdm=False)
-    wall = time.perf_counter() - start
-    steps = [clock.exclusive(s) for s in clock.steps if s["engine_step"]]
-    tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
-    return {"batch_size": batch, "engine_steps": len(steps), "output_tokens": tokens,
-            "tokens_per_step": tokens / max(len(steps), 1),
-            "ms_per_step": {c: 1e3 * statistics.mean(s[c] for s in steps) for c in CATEGORIES},
-            "step_ms": 1e3 * statistics.mean(sum(s.values()) for s in steps),
-            "ms_per_output_token": 1e3 * wall / max(tokens, 1)}
+    from vllm_diffusion_lab.offline import autoregressive_llm, diffusion_llm
+    from vllm_diffusion_lab.quality.harness import chat_prompts
+
+    if side == "plugin":
+        engine = diffusion_llm(model, diffusion_block_size=args.block_size, max_model_len=1024,
+                               max_num_seqs=max(args.batch_sizes), enforce_eager=args.eager,
+                               additional_config={"diffusion_policy": args.policy})
+    else:
+        engine = autoregressive_llm(ar_model, max_num_seqs=max(args.batch_sizes),
+                                    enforce_eager=args.eager)
+    params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
+    results = {}
+    with engine as llm, instrument(llm, side == "plugin") as clock:
+        prompts = chat_prompts(llm.get_tokenizer(), examples)
+        for batch in args.batch_sizes:
+            llm.generate(prompts[:batch], params, use_tqdm=False)  # warm-up at this batch
+            clock.clear()
+            run = harness.generate(llm, prompts[:batch], params)
+            steps = [exclusive(s.seconds, NESTED) for s in clock.steps if s.seconds["engine_step"]]
+            results[batch] = {
+                "batch_size": batch, "engine_steps": len(steps),
+                "output_tokens": run.output_tokens,
+                "tokens_per_step": run.output_tokens / max(len(steps), 1),
+                "ms_per_step": mean_ms(steps, CATEGORIES),
+                "step_ms": 1e3 * statistics.mean(sum(s[c] for c in CATEGORIES) for s in steps),
+                "ms_per_output_token": 1e3 * run.seconds / max(run.output_tokens, 1)}
+            print(side, results[batch], flush=True)
+    return results
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4, 16, 64])
+    harness.add_common_options(parser, out="results/step_breakdown.json",
+                               batch_sizes=[1, 4, 16, 64], rounds=1, max_tokens=64)
     parser.add_argument("--block-size", type=int, default=4)
     parser.add_argument("--policy", default="standard")
-    parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--eager", action="store_true")
-    parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("results/step_breakdown.json"))
     args = parser.parse_args()
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # the same KV budget for both
+    harness.engines_in_process()
 
-    from vllm_diffusion.default_model import default_model_path
     from vllm_diffusion_lab.bench import autoregressive_copy
-    from vllm_diffusion_lab.offline import autoregressive_llm, diffusion_llm
     from vllm_diffusion_lab.quality.corpus import mixed_eval_examples
-    from vllm_diffusion_lab.quality.harness import chat_prompts
 
-    model = default_model_path()
+    model = harness.model_path(args)
     examples = mixed_eval_examples(max(args.batch_sizes))
-    runs: dict[str, dict[int, list[dict]]] = {"plugin": {}, "autoregressive": {}}
     with tempfile.TemporaryDirectory() as tmp:
         ar_model = autoregressive_copy(pathlib.Path(model), pathlib.Path(tmp))
-        for _ in range(args.rounds):
-            for side in runs:
-                if side == "plugin":
-                    engine = diffusion_llm(
-                        model, diffusion_block_size=args.block_size, max_model_len=1024,
-                        max_num_seqs=max(args.batch_sizes), enforce_eager=args.eager,
-                        additional_config={"diffusion_policy": args.policy})
-                else:
-                    engine = autoregressive_llm(ar_model, max_num_seqs=max(args.batch_sizes),
-                                                enforce_eager=args.eager)
-                with engine as llm:
-                    prompts = chat_prompts(llm.get_tokenizer(), examples)
-                    for batch in args.batch_sizes:
-                        result = measure(llm, side == "plugin", prompts, batch, args.max_tokens)
-                        runs[side].setdefault(batch, []).append(result)
-                        print(side, json.dumps(result), flush=True)
-    report = {"model": str(model), "policy": args.policy, "block_size": args.block_size,
+        measured = harness.alternate(SIDES, args.rounds, functools.partial(
+            side_engine, args=args, model=model, ar_model=ar_model, examples=examples))
+    report = {"model": model, "policy": args.policy, "block_size": args.block_size,
               "compiled": not args.eager, "max_tokens": args.max_tokens, "rounds": args.rounds,
               "machine": f"{os.cpu_count()} CPU cores", "categories": list(CATEGORIES),
-              "rows": [summarise(side, batch, results)
-                       for side, by_batch in runs.items() for batch, results in by_batch.items()]}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2) + "\n")
-    plot(report, args.out.with_suffix(".png"))
+              "rows": [summarise(side, batch, results) for side in SIDES
+                       for batch, results in harness.by_batch(measured[side]).items()]}
+    harness.write_report(report, args.out, plot)
 
 
 def summarise(side: str, batch: int, results: list[dict]) -> dict:

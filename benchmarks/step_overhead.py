@@ -2,7 +2,7 @@
 
 For each batch size and block size, runs ``--requests-per-slot x batch`` greedy requests
 (``ignore_eos``, so the batch stays full) through the in-process engine and splits the wall
-time of the runner's ``execute_model`` into
+time of the runner's ``execute_model`` (``step_timing.StepClock``) into
 
 - model: the model forward plus ``compute_logits``;
 - other: everything else in ``execute_model`` (planning, metadata, policy, sampling,
@@ -16,91 +16,56 @@ from __future__ import annotations
 
 import argparse
 import json
-import pathlib
-import time
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-
-
-class StepTimer:
-    """Wraps the runner's execute_model and its model's forward / compute_logits."""
-
-    def __init__(self, runner) -> None:
-        self.total = self.model = 0.0
-        self.steps = 0
-        execute, forward, logits = runner.execute_model, runner.model.forward, \
-            runner.model.compute_logits
-
-        def timed(fn, attr):
-            def wrapper(*args, **kwargs):
-                start = time.perf_counter()
-                try:
-                    return fn(*args, **kwargs)
-                finally:
-                    setattr(self, attr, getattr(self, attr) + time.perf_counter() - start)
-            return wrapper
-
-        def timed_execute(*args, **kwargs):
-            self.steps += 1
-            return timed(execute, "total")(*args, **kwargs)
-
-        runner.execute_model = timed_execute
-        runner.model.forward = timed(forward, "model")
-        runner.model.compute_logits = timed(logits, "model")
-
-    def reset(self) -> None:
-        self.total = self.model = 0.0
-        self.steps = 0
+import harness
+from step_timing import StepClock, model_runner
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[8, 32, 64])
+    harness.add_common_options(parser, out="results/step_overhead.json",
+                               batch_sizes=[8, 32, 64], max_tokens=64)
     parser.add_argument("--block-sizes", type=int, nargs="+", default=[4, 32])
     parser.add_argument("--policy", default="standard")
-    parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--requests-per-slot", type=int, default=1)
-    parser.add_argument("--out", type=pathlib.Path, default=ROOT / "results/step_overhead.json")
     args = parser.parse_args()
 
     from vllm import SamplingParams
 
-    from vllm_diffusion.default_model import default_model_path
     from vllm_diffusion_lab.offline import diffusion_llm
     from vllm_diffusion_lab.quality.corpus import mixed_eval_examples
+    from vllm_diffusion_lab.quality.harness import chat_prompts
 
-    model = default_model_path()
+    model = harness.model_path(args)
+    params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
     rows = []
     for block in args.block_sizes:
         for batch in args.batch_sizes:
             with diffusion_llm(model, diffusion_block_size=block, max_num_seqs=batch,
                                max_model_len=512,
-                               additional_config={"diffusion_policy": args.policy}) as llm:
-                runner = (llm.llm_engine.engine_core.engine_core.model_executor
-                          .driver_worker.worker.model_runner)
-                timer = StepTimer(runner)
-                tokenizer = llm.get_tokenizer()
-                examples = mixed_eval_examples(batch * args.requests_per_slot)
-                prompts = [tokenizer.apply_chat_template(
-                    [{"role": "user", "content": e.prompt}], add_generation_prompt=True,
-                    tokenize=False) for e in examples]
-                params = SamplingParams(temperature=0, max_tokens=args.max_tokens,
-                                        ignore_eos=True)
+                               additional_config={"diffusion_policy": args.policy}) as llm, \
+                    StepClock() as clock:
+                runner = model_runner(llm)
+                clock.wrap(runner, "execute_model", "execute_model", step=True)
+                clock.wrap(runner.model, "forward", "model")
+                clock.wrap(runner.model, "compute_logits", "model")
+                prompts = chat_prompts(llm.get_tokenizer(),
+                                       mixed_eval_examples(batch * args.requests_per_slot))
                 llm.generate(prompts[:batch], params, use_tqdm=False)  # warm-up
-                timer.reset()
+                clock.clear()
                 llm.generate(prompts, params, use_tqdm=False)
-                other = timer.total - timer.model
-                row = {"block_size": block, "batch_size": batch, "steps": timer.steps,
-                       "execute_model_ms_per_step": 1e3 * timer.total / timer.steps,
-                       "model_ms_per_step": 1e3 * timer.model / timer.steps,
-                       "other_ms_per_step": 1e3 * other / timer.steps,
-                       "other_share": other / timer.total}
+                total, steps = clock.totals["execute_model"], len(clock.steps)
+                other = total - clock.totals["model"]
+                row = {"block_size": block, "batch_size": batch, "steps": steps,
+                       "execute_model_ms_per_step": 1e3 * total / steps,
+                       "model_ms_per_step": 1e3 * clock.totals["model"] / steps,
+                       "other_ms_per_step": 1e3 * other / steps,
+                       "other_share": other / total}
                 rows.append(row)
                 print(json.dumps(row), flush=True)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"policy": args.policy, "model": str(model),
-                                    "max_tokens": args.max_tokens, "rows": rows}, indent=2) + "\n")
+    harness.write_report({"policy": args.policy, "model": model,
+                          "max_tokens": args.max_tokens, "rows": rows}, args.out)
 
 
 if __name__ == "__main__":

@@ -8,7 +8,7 @@ stock vLLM decoding the same weights autoregressively, without and with the sche
 outputs are noise of a different kind: compare validity, ``length`` rates and overhead,
 not answers). Per run: finish reasons, the share of outputs that parse and validate, exact
 matches, tokens per denoising step (plugin), matcher calls per step, wall time and the
-grammar's share of it (plugin; batches of up to 32 requests).
+grammar's share of it (plugin, ``step_timing.StepClock``; batches of up to 32 requests).
 
     python benchmarks/structured_output.py --problems 60
 writes results/structured_output.json. With ``--served`` the schema requests go through
@@ -21,10 +21,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import pathlib
 import time
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+import harness
+from step_timing import StepClock
 
 
 def schema_of(answer: str) -> dict:
@@ -56,53 +56,42 @@ def score(outputs, examples) -> dict:
             "output_tokens": sum(len(o.outputs[0].token_ids) for o in outputs)}
 
 
-class GrammarTimer:
-    """Wall time spent in the runner's grammar work (the mask at F, the walk, the commit
+def grammar_clock() -> StepClock:
+    """Wall time in the runner's grammar work (the mask at F, the walk, the commit
     restriction, advancing matchers), by wrapping those functions in this process (the
     benchmark's engine runs in-process)."""
+    from vllm_diffusion.worker import block_updates, grammar
 
-    def __init__(self) -> None:
-        from vllm_diffusion.worker import grammar, runner
-
-        self.seconds = 0.0
-        targets = [(grammar.GrammarStep, "first_row_masks"), (grammar.GrammarStep, "constrain"),
-                   (grammar.GrammarStep, "restrict"), (runner, "advance")]
-        for owner, name in targets:
-            setattr(owner, name, self.timed(getattr(owner, name)))
-
-    def timed(self, function):
-        def wrapper(*args, **kwargs):
-            start = time.perf_counter()
-            try:
-                return function(*args, **kwargs)
-            finally:
-                self.seconds += time.perf_counter() - start
-        return wrapper
+    clock = StepClock()
+    for owner, name in [(grammar.GrammarStep, "first_row_masks"),
+                        (grammar.GrammarStep, "constrain"), (grammar.GrammarStep, "restrict"),
+                        (block_updates, "advance")]:
+        clock.wrap(owner, name, "grammar")
+    return clock
 
 
 def run(llm, examples, with_schema: bool, diffusion: bool,
-        timer: GrammarTimer | None = None) -> dict:
+        clock: StepClock | None = None) -> dict:
     from vllm import SamplingParams
     from vllm.sampling_params import StructuredOutputsParams
 
-    from vllm_diffusion_lab.offline import stats_delta
     from vllm_diffusion_lab.quality.harness import chat_prompts
 
     prompts = chat_prompts(llm.get_tokenizer(), examples)
     params = [SamplingParams(temperature=0, max_tokens=64, structured_outputs=(
         StructuredOutputsParams(json=schema_of(e.answer)) if with_schema else None))
         for e in examples]
-    before = llm.collective_rpc("diffusion_stats")[0] if diffusion else None
-    grammar_before = timer.seconds if timer else 0.0
-    start = time.perf_counter()
-    outputs = llm.generate(prompts, params, use_tqdm=False)
-    wall = time.perf_counter() - start
-    result = {"schema": with_schema, "wall_s": round(wall, 3), **score(outputs, examples)}
-    if timer is not None:
-        result["grammar_share_of_wall"] = round((timer.seconds - grammar_before) / wall, 3)
+    if clock is not None:
+        clock.clear()
+    generation = harness.generate(llm, prompts, params, counters=diffusion)
+    wall = generation.seconds
+    result = {"schema": with_schema, "wall_s": round(wall, 3),
+              **score(generation.outputs, examples)}
+    if clock is not None:
+        result["grammar_share_of_wall"] = round(clock.totals["grammar"] / wall, 3)
     result["tokens_per_s"] = round(result["output_tokens"] / wall, 1)
     if diffusion:
-        stats = stats_delta(before, llm.collective_rpc("diffusion_stats")[0])
+        stats = generation.stats
         result["tokens_per_step"] = round(stats["tokens_committed_per_denoising_step"], 3)
         result["denoising_steps"] = stats["denoising_steps"]
         result["matcher_fills_per_step"] = round(
@@ -175,15 +164,13 @@ def main() -> None:
     parser.add_argument("--skip-autoregressive", action="store_true")
     parser.add_argument("--served", action="store_true",
                         help="send the schema requests through vllm serve")
-    parser.add_argument("--out", type=pathlib.Path,
-                        default=ROOT / "results/structured_output.json")
+    harness.add_common_options(parser, out="results/structured_output.json")
     args = parser.parse_args()
-    from vllm_diffusion.default_model import default_model_path
     from vllm_diffusion_lab.offline import autoregressive_llm, diffusion_llm
     from vllm_diffusion_lab.quality.corpus import generate_examples
 
     examples = generate_examples(args.problems, 17, ("json",), split="eval")
-    model = default_model_path()
+    model = harness.model_path(args)
     report = {"problems": args.problems, "block_size": args.block_size, "runs": {}}
     if args.served:
         report["runs"]["served plugin + schema"] = served(model, examples, args.block_size)
@@ -191,13 +178,12 @@ def main() -> None:
         out = args.out.with_name(args.out.stem + "_served.json")
         out.write_text(json.dumps(report, indent=1) + "\n")
         return
-    timer = GrammarTimer()
     with diffusion_llm(model, diffusion_block_size=args.block_size, max_model_len=512,
-                       max_num_seqs=32, enforce_eager=False) as llm:
+                       max_num_seqs=32, enforce_eager=False) as llm, grammar_clock() as clock:
         for with_schema in (False, True):
             name = f"plugin{' + schema' if with_schema else ''}"
             report["runs"][name] = run(llm, examples, with_schema, diffusion=True,
-                                       timer=timer)
+                                       clock=clock)
             print(name, json.dumps(report["runs"][name]))
     if not args.skip_autoregressive:
         with autoregressive_llm(model, max_model_len=512, max_num_seqs=32) as llm:

@@ -1,11 +1,12 @@
 """Output tokens/s against batch size: stock vLLM decoding the same weights autoregressively
 next to the plugin's configurations, in one run.
 
-The autoregressive baseline is what every user already has: the embedded checkpoint with
-its config switched to ``Qwen3ForCausalLM`` (same weights), served by stock vLLM with its
-defaults. Both sides are compiled by default (``--ar-eager`` / ``--plugin-eager`` for
-eager; FOCUS still runs eagerly, as it drops rows inside the forward), each engine in this
-one process, one at a time.
+The autoregressive baseline is what every user already has: the checkpoint with its config
+switched to ``Qwen3ForCausalLM`` (same weights), served by stock vLLM with its defaults.
+Both sides are compiled by default (``--ar-eager`` / ``--plugin-eager`` for eager; FOCUS
+still runs eagerly, as it drops rows inside the forward), each engine in this one process,
+one at a time, the configurations alternating in each of ``--rounds`` rounds
+(``harness.alternate``).
 
 Equal work (the default; ``--natural-lengths`` to let both stop at EOS): the
 autoregressive side generates, per request, exactly as many tokens as the plugin
@@ -21,9 +22,10 @@ autoregressive decoding, prompt plus output tokens per output token). JSON and a
 
 ``--shape large`` runs the fixed configurations on a compute-bound shape instead: a
 random-weight SDAR of 12 layers, hidden 768 (12 query / 4 KV heads of 64), written to
-``results/large-random-sdar`` (so ``tools/profile_latency.py --model`` can time its steps), with random 64-token prompts and exactly 64 output tokens per
-request (``ignore_eos``). Random weights commit about one token per step, so these
-figures show the cost side (rows and time per step), not diffusion's parallelism.
+``results/large-random-sdar`` (so ``tools/profile_latency.py --model`` can time its steps),
+with random 64-token prompts and exactly 64 output tokens per request (``ignore_eos``).
+Random weights commit about one token per step, so these figures show the cost side (rows
+and time per step), not diffusion's parallelism.
 
     python benchmarks/throughput_vs_ar.py [--batch-sizes 1 2 4 8 16 32 64] [--rounds 2]
         [--latency-profile results/latency.json]  # a warm start for elastic (optional)
@@ -39,7 +41,7 @@ import statistics
 import tempfile
 import time
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+import harness
 
 # name: (diffusion block size, engine additional_config, per-request options); None: AR
 CONFIGS = {
@@ -63,11 +65,11 @@ CONFIGS = {
 }
 ELASTIC = [name for name, config in CONFIGS.items()
            if config is not None and config[1]["diffusion_policy"] == "elastic"]
-
+AR_AS = "autoregressive as "  # the autoregressive row of a plugin configuration
 
 LARGE_SHAPE = {"num_layers": 12, "hidden_size": 768, "num_heads": 12, "num_kv_heads": 4,
                "head_dim": 64, "block_size": 32}
-LARGE_MODEL = ROOT / "results/large-random-sdar"
+LARGE_MODEL = harness.ROOT / "results/large-random-sdar"
 LARGE_CONFIGS = ["autoregressive", "standard B=4", "standard B=16", "standard B=32",
                  "focus B=32", "chunk 4 of B=32, reuse", "chunk 8 of B=32, reuse"]
 
@@ -83,22 +85,19 @@ def large_workload(vocab_size: int, count: int) -> list:
             for _ in range(count)]
 
 
-def open_engine(name: str, model: pathlib.Path, ar_model: pathlib.Path, ar_eager: bool,
-                max_num_seqs: int, plugin_eager: bool):
+def open_engine(name: str, model, ar_model, args):
     from vllm_diffusion_lab.offline import autoregressive_llm, diffusion_llm
 
     if CONFIGS[name] is None:
-        return autoregressive_llm(ar_model, max_num_seqs=max_num_seqs, enforce_eager=ar_eager)
+        return autoregressive_llm(ar_model, max_num_seqs=max(args.batch_sizes),
+                                  enforce_eager=args.ar_eager)
     block, engine, _ = CONFIGS[name]
     return diffusion_llm(model, diffusion_block_size=block, max_model_len=1024,
-                         max_num_seqs=max_num_seqs, additional_config=engine,
-                         enforce_eager=plugin_eager)
+                         max_num_seqs=max(args.batch_sizes), additional_config=engine,
+                         enforce_eager=args.plugin_eager)
 
 
-AR_AS = "autoregressive as "  # the autoregressive row of a plugin configuration
-
-
-def run_batch(llm, name: str, prompts: list[str], examples, batch: int, min_requests: int,
+def run_batch(llm, name: str, prompts: list, examples, batch: int, min_requests: int,
               max_tokens: int, lengths: list[int] | None = None) -> dict:
     """``lengths``: the autoregressive side's exact output length per request (equal work),
     in submission order; the result's ``lengths`` are this run's, for the next side."""
@@ -112,30 +111,27 @@ def run_batch(llm, name: str, prompts: list[str], examples, batch: int, min_requ
     scored = examples is not None and lengths is None
     params = SamplingParams(temperature=0, max_tokens=max_tokens, extra_args=options or None,
                             ignore_eos=not scored)
-    before = llm.collective_rpc("diffusion_stats")[0] if diffusion else None
+    before = harness.diffusion_counters(llm) if diffusion else None
     tokens = prompt_tokens = correct = done = 0
     produced: list[int] = []
     start = time.perf_counter()
-    offset = 0
     while done < max(min_requests, batch):
-        chunk = [prompts[(offset + i) % len(prompts)] for i in range(batch)]
-        chunk_examples = [examples[(offset + i) % len(prompts)] if scored else None
-                          for i in range(batch)]
+        indices = [(done + i) % len(prompts) for i in range(batch)]
         chunk_params = params if lengths is None else [
             SamplingParams(temperature=0, max_tokens=max(lengths[done + i], 1), ignore_eos=True)
             for i in range(batch)]
-        offset += batch
-        outputs = llm.generate(chunk, chunk_params, use_tqdm=False)
-        for example, out in zip(chunk_examples, outputs):
+        outputs = llm.generate([prompts[i] for i in indices], chunk_params, use_tqdm=False)
+        for index, out in zip(indices, outputs):
             produced.append(len(out.outputs[0].token_ids))
             tokens += produced[-1]
             prompt_tokens += len(out.prompt_token_ids)
             if scored:
+                example = examples[index]
                 correct += score(example.family, example.answer, out.outputs[0].text)
         done += batch
     wall = time.perf_counter() - start
     if diffusion:
-        rows = stats_delta(before, llm.collective_rpc("diffusion_stats")[0])[
+        rows = stats_delta(before, harness.diffusion_counters(llm))[
             "all_positions_per_committed_token"]
     else:
         rows = (prompt_tokens + tokens) / max(tokens, 1)
@@ -144,54 +140,49 @@ def run_batch(llm, name: str, prompts: list[str], examples, batch: int, min_requ
             "rows_per_committed_token": rows, "seconds": wall}
 
 
-def run_round(args, cells, model, ar_model, examples, workload, progress) -> None:
-    """One round: every configuration once (equal work: the plugin configurations first,
-    then the autoregressive engine once per plugin configuration, on its lengths)."""
+def measure_config(name: str, args, model, ar_model, examples, workload,
+                   recorded: dict) -> dict[str, dict[int, dict]]:
+    """One configuration's engine through every batch size: ``{row: {batch: result}}``.
+    A plugin configuration records its lengths in ``recorded``; the autoregressive engine
+    (after them in the round) runs one row per plugin configuration on those lengths."""
     from vllm_diffusion_lab.quality.harness import chat_prompts
 
     plugin = [n for n in args.configs if CONFIGS[n] is not None]
-    order = plugin + (["autoregressive"] if "autoregressive" in args.configs else [])
-    recorded: dict[str, dict[int, list[int]]] = {}
-    for name in order:
-        with open_engine(name, model, ar_model, args.ar_eager, max(args.batch_sizes),
-                         args.plugin_eager) as llm:
-            prompts = (workload if workload is not None
-                       else chat_prompts(llm.get_tokenizer(), examples))
-            run_batch(llm, name, prompts, examples, 1, 1, 8)  # warm-up
-            targets = ([None] if CONFIGS[name] is not None or args.natural_lengths
-                       else plugin)
-            for target in targets:
-                row = name if target is None else AR_AS + target
-                for batch in args.batch_sizes:
-                    progress.set_description(f"{row}, batch {batch}")
-                    lengths = None if target is None else recorded[target][batch]
-                    result = run_batch(llm, name, prompts, examples, batch,
-                                       args.min_requests, args.max_tokens, lengths)
-                    lengths = result.pop("lengths")
-                    if target is None and CONFIGS[name] is not None:
-                        recorded.setdefault(name, {})[batch] = lengths
-                    cells.setdefault(row, {}).setdefault(batch, []).append(result)
-                    progress.update()
+    rows: dict[str, dict[int, dict]] = {}
+    with open_engine(name, model, ar_model, args) as llm:
+        prompts = (workload if workload is not None
+                   else chat_prompts(llm.get_tokenizer(), examples))
+        run_batch(llm, name, prompts, examples, 1, 1, 8)  # warm-up
+        targets = [None] if CONFIGS[name] is not None or args.natural_lengths else plugin
+        for target in targets:
+            row = name if target is None else AR_AS + target
+            for batch in args.batch_sizes:
+                lengths = None if target is None else recorded[target][batch]
+                result = run_batch(llm, name, prompts, examples, batch, args.min_requests,
+                                   args.max_tokens, lengths)
+                lengths = result.pop("lengths")
+                if target is None and CONFIGS[name] is not None:
+                    recorded.setdefault(name, {})[batch] = lengths
+                rows.setdefault(row, {})[batch] = result
+    return rows
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64])
+    harness.add_common_options(parser, out="results/throughput_vs_ar.json",
+                               batch_sizes=[1, 2, 4, 8, 16, 32, 64], rounds=2, max_tokens=96)
     parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
-    parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--min-requests", type=int, default=16)
-    parser.add_argument("--max-tokens", type=int, default=96)
     parser.add_argument("--ar-eager", action="store_true")
     parser.add_argument("--plugin-eager", action="store_true",
                         help="the plugin's engines eager (default: vLLM's compilation)")
     parser.add_argument("--natural-lengths", action="store_true",
                         help="both sides stop at EOS or max_tokens (default: equal work)")
     parser.add_argument("--shape", choices=("embedded", "large"), default="embedded",
-                        help="the embedded model, or the compute-bound random-weight shape")
+                        help="the model (--model), or the compute-bound random-weight shape")
     parser.add_argument("--latency-profile", default=None,
                         help="tools/profile_latency.py output to warm-start the elastic "
                              "configurations' latency model (optional)")
-    parser.add_argument("--out", type=pathlib.Path, default=ROOT / "results/throughput_vs_ar.json")
     args = parser.parse_args()
     if args.shape == "large":
         args.configs = [c for c in args.configs if c in LARGE_CONFIGS]
@@ -199,16 +190,12 @@ def main() -> None:
     if args.latency_profile is not None:
         for name in ELASTIC:
             CONFIGS[name][1]["latency_profile"] = args.latency_profile
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # the same KV budget for every engine
+    harness.engines_in_process()
 
-    from tqdm import tqdm
-
-    from vllm_diffusion.default_model import default_model_path
     from vllm_diffusion_lab.bench import autoregressive_copy
     from vllm_diffusion_lab.quality.corpus import mixed_eval_examples
+
     count = max(args.batch_sizes + [args.min_requests])
-    cells: dict[str, dict[int, list[dict]]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         if args.shape == "large":
             from vllm_diffusion_lab.fixtures.tiny_sdar import build_tiny_sdar
@@ -217,41 +204,42 @@ def main() -> None:
             vocab = json.loads((model / "config.json").read_text())["vocab_size"]
             examples, workload = None, large_workload(vocab, count)
         else:
-            model = default_model_path()
+            model = harness.model_path(args)
             examples, workload = mixed_eval_examples(count), None
         ar_model = autoregressive_copy(pathlib.Path(model), pathlib.Path(tmp))
-        plugin = sum(CONFIGS[n] is not None for n in args.configs)
-        ar_rows = 0 if "autoregressive" not in args.configs else (
-            1 if args.natural_lengths else plugin)
-        progress = tqdm(total=args.rounds * (plugin + ar_rows) * len(args.batch_sizes))
-        for _ in range(args.rounds):
-            run_round(args, cells, model, ar_model, examples, workload, progress)
-        progress.close()
-    report = summarise(cells, args)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2) + "\n")
-    plot(report, args.out.with_suffix(".png"))
+        # the plugin configurations first in each round: the autoregressive rows take
+        # their lengths
+        order = sorted(args.configs, key=lambda n: CONFIGS[n] is None)
+        recorded: dict[str, dict[int, list[int]]] = {}
+        measured = harness.alternate(order, args.rounds, lambda name: measure_config(
+            name, args, model, ar_model, examples, workload, recorded))
+    cells: dict[str, dict[int, list[dict]]] = {}
+    for rounds in measured.values():
+        for rows in rounds:
+            for row, by_batch in rows.items():
+                for batch, result in by_batch.items():
+                    cells.setdefault(row, {}).setdefault(batch, []).append(result)
+    report = {**summarise(cells, args), "model": str(model), "package": harness.package_files()}
+    harness.write_report(report, args.out, plot)
     print_table(report)
 
 
 def summarise(cells, args) -> dict:
-    rows = []
-
     def median_tps(name: str, batch: int) -> float | None:
         runs = cells.get(name, {}).get(batch)
         return statistics.median(r["tokens_per_s"] for r in runs) if runs else None
 
+    rows = []
     for name, by_batch in cells.items():
         for batch, runs in by_batch.items():
             tps = median_tps(name, batch)
-            if CONFIGS.get(name, ()) is None or name.startswith(AR_AS):
-                ar = None
-            else:
+            ar = None
+            if CONFIGS.get(name, ()) is not None and not name.startswith(AR_AS):
                 ar = median_tps("autoregressive" if args.natural_lengths else AR_AS + name,
                                 batch)
-            rows.append({"config": name, "batch_size": batch, "tokens_per_s": tps,
-                         "tokens_per_s_each_round": [r["tokens_per_s"] for r in runs],
-                         "ratio_to_autoregressive": tps / ar if ar else None,
+            rows.append({"config": name, "batch_size": batch,
+                         **harness.median_of(runs, "tokens_per_s"),
+                         "ratio_to_autoregressive": harness.ratio(tps, ar),
                          "output_tokens": statistics.mean(r["output_tokens"] for r in runs),
                          "accuracy": (None if runs[0]["accuracy"] is None
                                       else statistics.mean(r["accuracy"] for r in runs)),
@@ -275,28 +263,13 @@ def print_table(report: dict) -> None:
 
 
 def plot(report: dict, path: pathlib.Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    names = list(dict.fromkeys(r["config"] for r in report["rows"]))
-    colours = plt.cm.tab20.colors
-    for index, name in enumerate(names):
-        points = [(r["batch_size"], r["tokens_per_s"]) for r in report["rows"]
-                  if r["config"] == name]
-        ax.plot(*zip(*points), marker="o", label=name, color=colours[index % len(colours)],
-                linestyle="--" if name.startswith("autoregressive") else "-",
-                linewidth=2.5 if name.startswith("autoregressive") else 1.2)
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("batch size (concurrent requests)")
-    ax.set_ylabel("output tokens/s")
-    ax.set_title(f"Output throughput vs batch size ({report['machine']})")
-    ax.legend(fontsize=8)
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    lines: dict[str, list] = {}
+    for r in report["rows"]:
+        lines.setdefault(r["config"], []).append((r["batch_size"], r["tokens_per_s"]))
+    harness.plot_panels(path, [harness.Panel(
+        f"Output throughput vs batch size ({report['machine']})",
+        "batch size (concurrent requests)", "output tokens/s", lines,
+        dashed=lambda label: label.startswith("autoregressive"))], width=7)
 
 
 if __name__ == "__main__":
