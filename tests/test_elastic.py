@@ -286,7 +286,13 @@ def test_elastic_policy_in_the_engine(dense_checkpoint, tmp_path):
     assert all(len(o.outputs[0].token_ids) == 48 for o in outputs)
     assert len(fixed[0].outputs[0].token_ids) == 24
     assert len(tried) >= 3 and tried - {1, 2, 4, 8}  # beyond the powers of two
-    assert sum(stats["elastic_chunk_steps"].values()) > 0
+    chosen = stats["elastic_chunk_steps"]
+    # One size is chosen, and counted, per engine step that runs requests: the steps per
+    # size add up to the runner's own step count, and every size is a candidate.
+    assert sum(chosen.values()) == stats["engine_steps"]
+    assert set(chosen) <= set(runner.policy.candidates)
+    # The warm-up steps (8 by default) decode whole blocks before any choice is made.
+    assert chosen.get(8, 0) >= ElasticConfig().warmup_steps
     assert stats["latency_observations"] > 8 and stats["latency_held_out_error"] is not None
     # the policy's counters difference like the engine's (a dict per chunk, the error kept)
     assert set(delta["elastic_chunk_steps"].values()) == {0}

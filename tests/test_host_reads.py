@@ -16,6 +16,8 @@ from vllm.inputs import TokensPrompt
 from device_reads import count_device_reads
 from vllm_diffusion_lab.offline import diffusion_llm
 
+pytestmark = pytest.mark.engine
+
 PROMPTS = [[5, 6, 7, 8, 9], [11, 12, 13], list(range(20, 41)), [30, 31]]
 
 

@@ -22,9 +22,35 @@ def test_a_slot_is_filled_or_its_parameters_refused(slot):
 
 
 def test_stages_follow_the_sampler_order():
+    """The pipeline runs its logit stages in the listed order, and the order shows in the
+    proposals: the logit bias comes before the penalties (as in vLLM's sampler, whose
+    logits processors run before ``apply_penalties``), and the mask token stays barred
+    whatever bias a request gives it."""
+    import types
+
+    import torch
+
     assert proposal.STAGES == (
         "allowed_token_ids", "bad_words", "min_tokens", "logit_bias", "penalties", "grammar",
         "mask_token", "temperature", "top_k_top_p", "draw", "commit_choice")
+    mask = 3
+    pipeline = proposal.ProposalPipeline(mask_token_id=mask)
+    logit_slots = [name for name in proposal.STAGES if name in proposal.SLOT_PARAMETERS]
+    assert [stage.__name__ for stage in pipeline.logit_stages] == logit_slots
+    # Token 0 is in the prompt: repetition penalty 2 halves its biased logit, (2 + 2) / 2
+    # = 2.0, below token 1's 2.6; penalised first and biased after, it would be 2 / 2 + 2
+    # = 3.0 and win. Token 3, the mask, would win at 1 + 100 were it not barred.
+    logits = torch.tensor([[2.0, 2.6, 0.0, 1.0]])
+    params = types.SimpleNamespace(temperature=0.0, top_k=0, top_p=1.0,
+                                   allowed_token_ids=None, logit_bias={0: 2.0, mask: 100.0},
+                                   repetition_penalty=2.0, frequency_penalty=0.0,
+                                   presence_penalty=0.0)
+    proposals = pipeline.propose(logits.clone(), [1], [params], [None],
+                                 seen_tokens=[([0], [])])
+    assert proposals.tokens.tolist() == [1]
+    # greedy confidence: token 1's probability over the final logits [2.0, 2.6, 0.0, -inf]
+    final = torch.tensor([2.0, 2.6, 0.0, float("-inf")])
+    assert proposals.confidence.tolist() == pytest.approx([final.softmax(-1)[1].item()])
 
 
 def test_allowed_token_ids_and_logit_bias_apply_to_every_row_of_their_request():

@@ -17,6 +17,7 @@ import json
 import pytest
 
 from vllm_diffusion.default_model import DEFAULT_CHECKPOINT, TINY_CHECKPOINT
+from vllm_diffusion_lab import offline
 from vllm_diffusion_lab.quality.harness import INSTRUCTION_FAMILIES, run, wilson_interval
 
 pytestmark = pytest.mark.engine
@@ -32,7 +33,23 @@ STANDARD_LIKE_FOCUS = {"strategy": "threshold", "threshold": 0.8}
 def runs() -> dict[tuple[int, str], dict]:
     # The checkpoint is part of the repository; without it the project has no real model.
     assert (TINY_CHECKPOINT / "model.safetensors").exists(), TINY_CHECKPOINT
-    results = run(str(TINY_CHECKPOINT), [4, 16], [{}, STANDARD_LIKE_FOCUS, FOCUS], PER_FAMILY)
+    # The runner's counters over each evaluation, as the harness reads them (one
+    # ``stats_delta`` per evaluation, in the order of the results), kept beside each
+    # result so that what the harness derives can be checked against them.
+    runner_counters = []
+    stats_delta = offline.stats_delta
+
+    def recording_stats_delta(before, after):
+        runner_counters.append(stats_delta(before, after))
+        return runner_counters[-1]
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(offline, "stats_delta", recording_stats_delta)
+        results = run(str(TINY_CHECKPOINT), [4, 16], [{}, STANDARD_LIKE_FOCUS, FOCUS],
+                      PER_FAMILY)
+    assert len(runner_counters) == len(results)
+    for result, counters in zip(results, runner_counters):
+        result["runner_counters"] = counters
     return {(r["block_size"], json.dumps(r["options"], sort_keys=True)): r for r in results}
 
 
@@ -56,7 +73,12 @@ def test_harness_reports_the_work_done(runs):
     assert standard["block_positions_per_committed_token"] >= 1.0
     assert (standard["later_layer_positions_per_committed_token"]
             == standard["block_positions_per_committed_token"])
-    assert standard["output_tokens"] > 0 and standard["wall_time_s"] > 0
+    # The tokens the harness counts in the outputs are those the runner emitted (its own
+    # count, made as it commits them); every request ends with at least one token (its
+    # stop token or its max_tokens-th).
+    assert standard["output_tokens"] == standard["runner_counters"]["tokens_committed"]
+    assert standard["output_tokens"] >= standard["requests"]
+    assert standard["wall_time_s"] > 0
     for family, (low, high) in standard["interval_95"].items():
         assert low <= standard["accuracy"][family] <= high, family
         assert sum(standard["correct_by_problem"][family]) == standard["correct"][family][0]
