@@ -98,14 +98,33 @@ def test_compiled_hook_policies_equal_their_references(name, four_layer_checkpoi
 
 
 def test_enforce_eager_is_honoured(four_layer_checkpoint):
+    """With ``--enforce-eager`` nothing is compiled: vLLM compiles no model, and FOCUS's
+    steps, whose hooks really run (rows are dropped inside the forward), go through pieces
+    that are plain functions."""
+    from vllm.compilation.counter import compilation_counter
+
+    compiles_before = compilation_counter.clone()
     with diffusion_llm(four_layer_checkpoint, diffusion_block_size=8, enforce_eager=True,
                        additional_config={"diffusion_policy": "focus"}) as llm:
         config = llm.llm_engine.vllm_config
         assert config.model_config.enforce_eager
         assert config.compilation_config.mode == CompilationMode.NONE
+        before = llm.collective_rpc("diffusion_stats")[0]
         out = llm.generate(TokensPrompt(prompt_token_ids=[5, 6, 7]),
                            SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
         assert len(out[0].outputs[0].token_ids) == 8
+        stats = stats_delta(before, llm.collective_rpc("diffusion_stats")[0])
+        runner = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
+        segment_sets = list(_SEGMENTS[runner.model.model].values())
+    # vLLM counts a model only where its compile decorator is to compile it (this engine
+    # without --enforce-eager moves the count).
+    assert compilation_counter.num_models_seen == compiles_before.num_models_seen
+    per_layer = stats["block_positions_per_layer"]
+    assert per_layer[-1] < per_layer[0]  # the hook path ran: FOCUS dropped rows
+    # the pieces it ran through were made eager: no torch.compile wrapper around any
+    assert segment_sets and not any(segments.compiled for segments in segment_sets)
+    assert not any(hasattr(piece, "_torchdynamo_orig_callable")
+                   for segments in segment_sets for _, _, piece in segments.pieces)
 
 
 @pytest.mark.parametrize("declared,num_layers,want", [
@@ -181,20 +200,3 @@ def test_compiled_pieces_guard_their_inputs_only():
         layers[1].output.weight.mul_(-1)
     args = (torch.arange(4.0), torch.randn(4, 8), None, None, None, None)
     torch.testing.assert_close(compiled(*args)[0], eager(*args)[0])
-
-
-
-def test_rows_dropped_before_an_attention_leave_the_keys_inside_it():
-    """A drop before layer l's attention narrows the queries at once and the key rows only
-    once that attention stored every row's keys (``finish_attention``)."""
-    from vllm_diffusion.step.rows import StepRows
-
-    rows = StepRows(torch.arange(4), torch.tensor([10, 11, 12, 13]), [0, 4], [4])
-    keep = torch.tensor([True, False, True, True])
-    rows.keep_queries(keep, {})
-    rows.keys_after_attention = keep
-    assert rows.num_queries == 3 and rows.slot_mapping.tolist() == [10, 11, 12, 13]
-    rows.finish_attention()
-    assert rows.slot_mapping.tolist() == [10, 12, 13] and rows.keys_after_attention is None
-    rows.finish_attention()  # nothing pending: the next layer keeps them
-    assert rows.slot_mapping.tolist() == [10, 12, 13]

@@ -223,15 +223,18 @@ def test_abort_mid_block_leaves_no_policy_state(four_layer_checkpoint, policy):
             engine.step()
         (request,) = runner.diffusion_requests.values()  # its id carries an engine suffix
         assert request.canvas.steps >= 2  # mid-block
-        state = request.policy_state
-        held = weakref.ref(state.hidden[2] if policy == "es" else state.history)
+        assert runner.block_slots.in_use == 1
+        held = weakref.ref(request.policy_state)
         internal_id = request.req_id
-        del state, request
+        del request
         engine.abort_request(["aborted"])
         out = llm.generate(TokensPrompt(prompt_token_ids=[5, 6, 7]),
                            SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
         assert len(out[0].outputs[0].token_ids) == 4
         assert internal_id not in runner.diffusion_requests
+        # the aborted request's slot was given back (the later request's is held until
+        # the engine hears that it finished)
+        assert runner.block_slots.in_use == len(runner.diffusion_requests) <= 1
         gc.collect()
         assert held() is None
 
@@ -281,70 +284,88 @@ def test_ada_without_its_cache_decodes_the_same_under_preemption(four_layer_chec
 @pytest.mark.parametrize("policy", ["es", "ada"])
 def test_a_resumed_block_keeps_the_decision_state(policy):
     """start_block(resumed=True) keeps the confidence cache / history (and ES-dLLM's
-    decoded positions), and asks for a step that recomputes the block; a new block resets
-    them."""
+    decoded positions) in the request's slot rows, and asks for a step that recomputes the
+    block; a new block resets them."""
     from vllm_diffusion.policies import POLICIES
     from vllm_diffusion.step.request import DiffusionRequest
+    from vllm_diffusion.step.slots import BlockSlots
 
     cls = POLICIES[policy]
     config = cls.config_cls()
     policy_object = cls(8, 0, config)
-    request = DiffusionRequest("r", config, policy_object.new_state(config), False)
+    slots = BlockSlots(8, 2)
+    slots.acquire()  # another request's
+    request = DiffusionRequest("r", config, policy_object.new_state(config), False,
+                               block_slots=slots, slot=slots.acquire())
+    slot = request.slot
     policy_object.start_block(request, resumed=False)
     state = request.policy_state
     if policy == "es":
-        state.confidence = torch.linspace(0, 1, 8)
-        state.decoded_last_step[2] = True
+        tables = policy_object.slot_state
+        tables.confidence.data[slot] = torch.linspace(0, 1, 8)
+        tables.decoded_last_step.data[slot, 2] = True
         state.kv_lost = False
         policy_object.start_block(request, resumed=True)
-        assert torch.equal(state.confidence, torch.linspace(0, 1, 8))
-        assert bool(state.decoded_last_step[2]) and state.kv_lost
+        assert torch.equal(tables.confidence.data[slot], torch.linspace(0, 1, 8))
+        assert bool(tables.decoded_last_step.data[slot, 2]) and state.kv_lost
         policy_object.start_block(request, resumed=False)
-        assert not bool(state.confidence.any())
+        assert not bool(tables.confidence.data[slot].any())
     else:
-        state.history = torch.ones(8, 3)
+        history = policy_object.history_table(config.history)
+        history.data[slot] = 1.0
         state.cache.uncached[:4] = False
         policy_object.start_block(request, resumed=True)
-        assert torch.equal(state.history, torch.ones(8, 3))
+        assert torch.equal(history.data[slot], torch.ones(8, 3))
         assert bool(state.cache.processing_set().all())  # the block is recomputed
         policy_object.start_block(request, resumed=False)
-        assert not bool(state.history.any())
+        assert not bool(history.data[slot].any())
 
 
-def test_es_caches_are_rows_of_one_step_tensor_until_a_request_leaves_the_steps():
-    """The skip layers' caches of a step are rows of one [R, B, d] tensor; a request that
-    is not in the next step copies its rows out, so it keeps no other request's caches
-    alive."""
+def test_es_caches_are_rows_of_the_policys_slot_table():
+    """The skip layers' cached outputs live in one [S, B, d] table of the policy, written
+    in place at each request's slot; a request out of a step keeps its rows, and a request
+    that takes a slot given back starts its block with zero caches."""
     from vllm_diffusion.policies.es import EsPolicy
     from vllm_diffusion.step.hooks import ForwardStep, LayerInput, StepRequest
-    from vllm_diffusion.step.request import BlockCanvas, DiffusionRequest
+    from vllm_diffusion.step.request import DiffusionRequest
+    from vllm_diffusion.step.slots import BlockSlots
 
     block, width = 4, 6
     policy = EsPolicy(block, 0, EsPolicy.config_cls())
     policy.skip_layers = (2,)
-    requests = []
-    for name in ("a", "b"):
-        config = EsPolicy.config_cls()
-        request = DiffusionRequest(name, config, policy.new_state(config), False)
-        request.canvas = BlockCanvas(0, torch.zeros(block, dtype=torch.long))
-        policy.start_block(request, resumed=False)
-        requests.append(request)
+    slots = BlockSlots(block, 2)
 
-    def step(members):
+    def new_request(name):
+        config = EsPolicy.config_cls()
+        request = DiffusionRequest(name, config, policy.new_state(config), False,
+                                   block_slots=slots, slot=slots.acquire())
+        request.block_for(0, [], block, 0)
+        policy.start_block(request, resumed=False)
+        return request
+
+    def hooks_of(members):
         parts = [StepRequest(r, range(i * block, (i + 1) * block),
                              torch.arange(i * block, (i + 1) * block), torch.arange(block))
                  for i, r in enumerate(members)]
-        hooks = policy.forward_hooks(ForwardStep(parts, block * len(members),
-                                                 torch.device("cpu")))
-        rows = torch.arange(block * len(members))
-        hooks.after_output(LayerInput(2, rows, hidden=torch.randn(len(rows), width)))
-        return hooks
+        return policy.forward_hooks(ForwardStep(parts, block * len(members),
+                                                torch.device("cpu")))
 
-    hooks = step(requests)
-    first, second = (r.policy_state.hidden[2] for r in requests)
-    assert first.untyped_storage().data_ptr() == second.untyped_storage().data_ptr()
-    step(requests[:1])  # "b" is not in this step
-    left = requests[1].policy_state.hidden[2]
-    assert left.untyped_storage().data_ptr() != first.untyped_storage().data_ptr()
-    assert torch.equal(left, second) and left.untyped_storage().nbytes() == block * width * 4
-    assert hooks.states[1] is requests[1].policy_state
+    def step(members):
+        rows = torch.arange(block * len(members))
+        hidden = torch.randn(len(rows), width)
+        hooks_of(members).after_output(LayerInput(2, rows, hidden=hidden))
+        return hidden
+
+    a, b = new_request("a"), new_request("b")
+    first = step([a, b])
+    table = policy.slot_state.outputs[2].data  # [S, B, d]
+    assert table.shape == (2, block, width)
+    assert torch.equal(table[a.slot], first[:block]) and torch.equal(table[b.slot], first[block:])
+    later = step([b])  # "a" is not in this step: its rows stay
+    assert policy.slot_state.outputs[2].data is table  # updated in place
+    assert torch.equal(table[a.slot], first[:block]) and torch.equal(table[b.slot], later)
+    slots.release(a.slot)  # "a" ends; "c" takes its slot
+    c = new_request("c")
+    assert c.slot == a.slot
+    hooks_of([c, b])
+    assert not bool(table[c.slot].any()) and torch.equal(table[b.slot], later)

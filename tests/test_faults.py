@@ -16,8 +16,9 @@ from vllm import SamplingParams
 from vllm.exceptions import VLLMValidationError
 from vllm.inputs import TokensPrompt
 
+from vllm_diffusion.worker import block_updates as block_updates_module
 from vllm_diffusion.worker import runner as runner_module
-from vllm_diffusion.worker.runner import DiffusionRunnerMixin
+from vllm_diffusion.worker.forward import StepForward
 
 pytestmark = pytest.mark.engine
 
@@ -62,6 +63,7 @@ def assert_idle_and_correct(llm, reference_tokens) -> None:
     runner = runner_of(llm)
     llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
     assert set(runner.diffusion_requests) <= set(runner.requests)  # finished requests dropped
+    assert runner.block_slots.in_use == len(runner.diffusion_requests)  # their slots given back
 
 
 NON_FINITE = [float("nan"), float("inf"), float("-inf"), "nan", "NaN", "inf", "-Infinity"]
@@ -108,7 +110,7 @@ def test_step_map_with_several_choices_is_rejected(llm):
 
 def test_llm_serves_the_next_call_after_an_exception_in_the_step(llm, reference_tokens,
                                                                  monkeypatch):
-    forward = DiffusionRunnerMixin._forward
+    forward = StepForward.run
     calls = {"n": 0}
 
     def failing_forward(self, *args, **kwargs):
@@ -117,10 +119,10 @@ def test_llm_serves_the_next_call_after_an_exception_in_the_step(llm, reference_
             raise RuntimeError("injected forward failure")
         return forward(self, *args, **kwargs)
 
-    monkeypatch.setattr(DiffusionRunnerMixin, "_forward", failing_forward)
+    monkeypatch.setattr(StepForward, "run", failing_forward)
     with pytest.raises(RuntimeError, match="injected forward failure"):
         llm.generate([PROMPT] * 3, reference_params(), use_tqdm=False)
-    monkeypatch.setattr(DiffusionRunnerMixin, "_forward", forward)
+    monkeypatch.setattr(StepForward, "run", forward)
     assert_idle_and_correct(llm, reference_tokens)
 
 
@@ -139,14 +141,14 @@ def test_policy_failure_finishes_only_that_request(llm, reference_tokens, monkey
 
         monkeypatch.setattr(runner_module, "plan_request", failing)
     else:
-        truncate = runner_module.truncate_at_stop
+        truncate = block_updates_module.truncate_at_stop
 
         def failing(tokens, params, num_output):
             if params.max_tokens == marker and num_output > 0:
                 raise RuntimeError("injected unmasking failure")
             return truncate(tokens, params, num_output)
 
-        monkeypatch.setattr(runner_module, "truncate_at_stop", failing)
+        monkeypatch.setattr(block_updates_module, "truncate_at_stop", failing)
     runner = runner_of(llm)
     marked = _MarkedRequests(runner, marker)
     params = [reference_params(), SamplingParams(temperature=0, max_tokens=marker,

@@ -106,7 +106,7 @@ def test_greedy_output_equals_the_reference(llada2_checkpoint, block_size, strat
     options = {"strategy": strategy, "threshold": 0.7}
     got, resolved = generate(llada2_checkpoint, prompts, block_size, max_tokens,
                              options=options)
-    assert resolved["diffusion_block_size"] == size and resolved["mask_token_id"] == mask_id
+    assert resolved.block_size == size and resolved.mask_token_id == mask_id
     reference = ReferenceLLaDA2(llada2_checkpoint)
     for prompt, tokens in zip(prompts, got):
         assert tokens == reference_generate(reference, prompt, block_size=size, mask_id=mask_id,

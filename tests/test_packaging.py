@@ -5,6 +5,7 @@ models are found outside the package (or a clear error says where to put them)."
 from __future__ import annotations
 
 import ast
+import json
 import pathlib
 import shutil
 import subprocess
@@ -124,6 +125,58 @@ def test_layers_import_only_downwards():
                       lambda m: under(m, "vllm_diffusion.worker")) == []
     assert violations(sources("models") + sources("attention"),
                       lambda m: under(m, "vllm_diffusion.policies")) == []
+
+
+# What the API server imports: it resolves the engine's options and checks requests.
+FRONT_END = [PACKAGE / name for name in ("config.py", "requests.py", "engine_setup.py",
+                                         "metrics.py", "options.py")] + sources("seams")
+
+
+def test_the_front_end_imports_nothing_from_the_worker():
+    assert violations(FRONT_END, lambda m: under(m, "vllm_diffusion.worker")) == []
+    # policies are looked up by name (``policies.POLICIES``), their modules imported only
+    # for the policy served
+    registry = ("vllm_diffusion.policies", "vllm_diffusion.policies.POLICIES")
+    assert violations(FRONT_END, lambda m: under(m, "vllm_diffusion.policies")
+                      and m not in registry) == []
+
+
+FRONT_END_IMPORTS = """
+import json, sys
+import vllm_diffusion
+vllm_diffusion.register()
+import vllm_diffusion.config, vllm_diffusion.engine_setup, vllm_diffusion.requests
+from vllm_diffusion.seams import (async_llm, engine_args, input_processor, offline_llm,
+                                  output_processor, stat_loggers)
+from vllm_diffusion.config import parse_engine_options
+from vllm_diffusion.policies import POLICIES
+
+loaded = lambda: sorted(m for m in sys.modules if m.startswith("vllm_diffusion."))
+before = loaded()
+parse_engine_options({"diffusion_policy": sys.argv[1]}, config_block_size=8,
+                     config_mask_token_id=3, vocab_size=100)
+print(json.dumps({"before": before, "after": loaded(),
+                  "policies": {name: POLICIES.module_of(name) for name in POLICIES}}))
+"""
+
+
+@pytest.mark.parametrize("served", ["standard", "focus"])
+def test_the_front_end_loads_the_served_policy_only(served):
+    """In a fresh process, as the API server: the plugin's front end loads no worker
+    module, no policy and no kernel; resolving the engine's options loads the served
+    policy and no other."""
+    run = subprocess.run([sys.executable, "-c", FRONT_END_IMPORTS, served], cwd=REPO,
+                         capture_output=True, text=True, timeout=300, check=False)
+    assert run.returncode == 0, run.stderr[-3000:]
+    found = json.loads(run.stdout.strip().splitlines()[-1])
+    policy_modules = found["policies"]
+    for layer in ("vllm_diffusion.worker", "vllm_diffusion.kernels",
+                  "vllm_diffusion.attention", *policy_modules.values()):
+        assert not [m for m in found["before"] if under(m, layer)], layer
+    others = [module for name, module in policy_modules.items() if name != served]
+    assert policy_modules[served] in found["after"]
+    assert not [m for m in found["after"] if under(m, "vllm_diffusion.worker")
+                or any(under(m, other) for other in others)]
 
 
 def test_kernels_and_step_do_not_import_vllm():

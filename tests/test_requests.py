@@ -178,7 +178,8 @@ def test_entropy_bounded_unmasking(llm):
                                                            "entropy_bound": -1.0})
 
 
-def test_llada22_step_cap_is_refused_for_other_models(llm):
-    with pytest.raises(REJECTED, match="'max_steps_per_block' caps LLaDA2.2"):
+def test_the_rewriting_loops_step_cap_is_refused_for_models_with_fixed_positions(llm):
+    with pytest.raises(REJECTED, match="option 'max_steps_per_block' applies to decoding "
+                       "whose edits move tokens within a block; SDAR does not"):
         generate(llm, [5, 6, 7], temperature=0, max_tokens=4,
                  extra_args={"max_steps_per_block": 10})

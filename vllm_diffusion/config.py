@@ -4,19 +4,30 @@ Engine-wide options come from ``--additional-config`` (``LLM(additional_config=.
 ``--diffusion-policy``; keys are ``diffusion_policy``, ``diffusion_block_size``,
 ``mask_token_id``, ``diffusion_row_buckets`` (row counts a forward pads to after a policy
 drops rows, for CUDA graphs), ``diffusion_max_steps_without_progress`` (a request that
-writes no token and ends no block in that many consecutive steps ends with an error), ``diffusion_logits_memory_mib`` (the memory a step's logits may take at
-once: they are computed and reduced to proposals in chunks of requests within it) and
-the chosen policy's options (``threshold``, ``strategy``, ...).
+writes no token and ends no block in that many consecutive steps ends with an error),
+``diffusion_logits_memory_mib`` (the memory a step's logits may take at once: they are
+computed and reduced to proposals in chunks of requests within it) and the chosen
+policy's options (``threshold``, ``strategy``, ...).
 Per-request overrides of the policy's options come from ``SamplingParams.extra_args``
 (OpenAI ``vllm_xargs``).
+
+The options are validated once, where vLLM builds its configuration (``engine_setup.py``,
+in the API server or the offline ``LLM``'s process): the resulting ``DiffusionEngineConfig``
+replaces ``vllm_config.additional_config`` (which vLLM types ``dict | SupportsHash`` and
+hashes through ``compute_hash``) and reaches the engine core and the workers with the
+pickled ``VllmConfig``; they read it back as it is (``engine_config_from_vllm``). The
+policy's module is imported when the policy is first asked for (``policies.POLICIES``).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 from collections.abc import Mapping
 from typing import Any
 
+from vllm_diffusion.capabilities import ModelCapabilities
 from vllm_diffusion.options import OptionError, Rule, option_names, parse_options, shown
 from vllm_diffusion.policies import POLICIES
 
@@ -28,14 +39,16 @@ DEFAULT_LOGITS_MEMORY_MIB = 256
 # masked positions writes nothing. 64 leaves room far above any such run.
 DEFAULT_MAX_STEPS_WITHOUT_PROGRESS = 64
 ENGINE_KEYS = ("diffusion_policy", "diffusion_block_size", "mask_token_id",
-               "diffusion_logits_memory_mib", "edit_token_ids", "diffusion_row_buckets",
+               "diffusion_logits_memory_mib", "diffusion_row_buckets",
                "diffusion_max_steps_without_progress")
 # Per-request keys that are not policy options; ``diffusion_policy`` is checked separately.
 REQUEST_KEYS = ("diffusion_policy", "return_step_map")
 _REQUEST_RULES = {"return_step_map": Rule(bool)}
 # Where a request's step map travels to the client (kv_transfer_params of its outputs).
 STEP_MAP_KEY = "diffusion_step_map"
-_RESOLVED_KEY = "_vllm_diffusion_resolved"
+# Structured-output backends whose matchers can roll back, which block decoding needs to
+# check a block's proposals (checked at start-up and per request, used by the worker).
+ROLLBACK_BACKENDS = ("xgrammar", "guidance")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,9 +58,6 @@ class DiffusionEngineConfig:
     mask_token_id: int
     policy_config: Any  # the policy's config dataclass, engine defaults
     logits_memory_mib: int = DEFAULT_LOGITS_MEMORY_MIB
-    # (DELETE, SPLIT) of a LLaDA2.2 checkpoint, resolved from its config at start-up;
-    # None for the other models
-    edit_token_ids: tuple[int, int] | None = None
     # After a policy drops rows inside the forward, the rows that continue are padded up
     # to the smallest of these counts that holds them (None: never padded). For CUDA
     # graphs captured per count; padding rows are left out of attention, KV writes and
@@ -56,6 +66,9 @@ class DiffusionEngineConfig:
     # A request that writes no token and ends no block in this many consecutive denoising
     # steps ends with an error (no request runs forever)
     max_steps_without_progress: int = DEFAULT_MAX_STEPS_WITHOUT_PROGRESS
+    # What the served model's family declares it needs (``models/configs.py``), resolved
+    # from its checkpoint at start-up
+    model: ModelCapabilities = ModelCapabilities(family="an unnamed model")
 
     @property
     def policy(self) -> type:
@@ -65,13 +78,17 @@ class DiffusionEngineConfig:
         """The engine's policy instance (one per runner)."""
         return self.policy(self.block_size, self.mask_token_id, self.policy_config)
 
+    def compute_hash(self) -> str:
+        """vLLM's hash of ``additional_config`` (part of its compilation cache key)."""
+        return hashlib.sha256(json.dumps(self.to_dict(), sort_keys=True).encode()).hexdigest()
+
     def to_dict(self) -> dict[str, Any]:
+        """The options as ``additional_config`` keys (``parse_engine_options`` takes them)."""
         return {
             "diffusion_policy": self.policy_name,
             "diffusion_block_size": self.block_size,
             "mask_token_id": self.mask_token_id,
             "diffusion_logits_memory_mib": self.logits_memory_mib,
-            "edit_token_ids": self.edit_token_ids,
             "diffusion_row_buckets": self.row_buckets,
             "diffusion_max_steps_without_progress": self.max_steps_without_progress,
             **dataclasses.asdict(self.policy_config),
@@ -131,14 +148,14 @@ def wants_step_map(extra_args: Mapping[str, Any] | None) -> bool:
 
 def parse_engine_options(values: Mapping[str, Any], *, config_block_size: int | None,
                          config_mask_token_id: int | None, vocab_size: int,
-                         model_defaults: Mapping[str, Any] | None = None
+                         model: ModelCapabilities | None = None
                          ) -> DiffusionEngineConfig:
     """Validate ``additional_config`` and resolve block size and mask token.
-    ``model_defaults``: the model family's own defaults of policy options (its published
-    generation settings), below what ``additional_config`` sets."""
+    ``model``: what the served model's family declares (kept in the result); its
+    ``option_defaults`` (published generation settings) lie below what
+    ``additional_config`` sets."""
     source = "additional_config"
     values = dict(values)
-    values.pop(_RESOLVED_KEY, None)
     policy_name = values.pop("diffusion_policy", "standard")
     if policy_name not in POLICIES:
         raise OptionError(
@@ -163,10 +180,6 @@ def parse_engine_options(values: Mapping[str, Any], *, config_block_size: int | 
     logits_memory_mib = Rule(int, low=1, high=1 << 20).check(
         "diffusion_logits_memory_mib",
         values.pop("diffusion_logits_memory_mib", DEFAULT_LOGITS_MEMORY_MIB), source)
-    edit_token_ids = values.pop("edit_token_ids", None)
-    if edit_token_ids is not None:
-        edit_token_ids = tuple(Rule(int, low=0, high=vocab_size - 1).check(
-            "edit_token_ids", token, source) for token in edit_token_ids)
     row_buckets = values.pop("diffusion_row_buckets", None)
     if row_buckets is not None:
         if not isinstance(row_buckets, (list, tuple)) or not row_buckets:
@@ -182,7 +195,8 @@ def parse_engine_options(values: Mapping[str, Any], *, config_block_size: int | 
         values.pop("diffusion_max_steps_without_progress", DEFAULT_MAX_STEPS_WITHOUT_PROGRESS),
         source)
     options = set(option_names(policy.config_cls))
-    values = {**{k: v for k, v in (model_defaults or {}).items() if k in options}, **values}
+    model = model or ModelCapabilities(family="an unnamed model")
+    values = {**{k: v for k, v in model.option_defaults.items() if k in options}, **values}
     valid = set(ENGINE_KEYS) | options
     unknown = sorted(set(values) - valid, key=repr)
     if unknown:
@@ -193,22 +207,22 @@ def parse_engine_options(values: Mapping[str, Any], *, config_block_size: int | 
     policy_config = parse_options(policy.config_cls, values, source=source)
     policy_config.validate_for_block(block_size, source)
     return DiffusionEngineConfig(policy_name, block_size, mask_token_id, policy_config,
-                                 logits_memory_mib, edit_token_ids, row_buckets,
-                                 max_steps_without_progress)
+                                 logits_memory_mib, row_buckets,
+                                 max_steps_without_progress, model)
 
 
 def engine_config_from_vllm(vllm_config: Any) -> DiffusionEngineConfig:
-    """The resolved configuration stored in ``vllm_config.additional_config`` at start-up."""
-    extra = vllm_config.additional_config
-    if not isinstance(extra, Mapping) or not extra.get(_RESOLVED_KEY):
-        raise RuntimeError(
-            "vllm-diffusion configuration was not resolved at start-up; is the model one "
-            "of the plugin's architectures (SDAR, SDAR-MoE, LLaDA2) and the vllm_diffusion "
-            "plugin loaded?"
-        )
-    return parse_engine_options(extra, config_block_size=None, config_mask_token_id=None,
-                                vocab_size=vllm_config.model_config.get_vocab_size())
+    """The configuration resolved at start-up (``store_resolved``), as it was stored."""
+    config = vllm_config.additional_config
+    if isinstance(config, DiffusionEngineConfig):
+        return config
+    raise RuntimeError(
+        "vllm-diffusion configuration was not resolved at start-up; is the model one of "
+        "the plugin's architectures (SDAR, SDAR-MoE, LLaDA2) and the vllm_diffusion plugin "
+        "loaded?"
+    )
 
 
 def store_resolved(vllm_config: Any, config: DiffusionEngineConfig) -> None:
-    vllm_config.additional_config = {**config.to_dict(), _RESOLVED_KEY: True}
+    """Keep the resolved configuration in the ``VllmConfig`` every process receives."""
+    vllm_config.additional_config = config

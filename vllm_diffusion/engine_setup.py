@@ -8,17 +8,17 @@ every process receives), and selects the diffusion scheduler and worker.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from typing import Any
 
 from vllm.logger import init_logger
 from vllm.model_executor.models.config import VerifyAndUpdateConfig
 
-from vllm_diffusion.combinations import combination_refusal, model_needs
-from vllm_diffusion.config import parse_engine_options, store_resolved
+from vllm_diffusion.capabilities import ModelCapabilities, model_refusal, refusal
+from vllm_diffusion.config import ROLLBACK_BACKENDS, parse_engine_options, store_resolved
+from vllm_diffusion.models.configs import model_capabilities
 from vllm_diffusion.policies import POLICIES
-from vllm_diffusion.policies.joint_editing import edit_tokens_of
-from vllm_diffusion.worker.grammar import ROLLBACK_BACKENDS
 
 logger = init_logger(__name__)
 
@@ -48,35 +48,23 @@ def _tokenizer_mask_token_id(model_config: Any) -> int | None:
     return next((vocab[text] for text in MASK_TOKEN_TEXTS if text in vocab), None)
 
 
-# LLaDA2.2's published generation settings where they differ from the engine's defaults
-# (its quota schedule, post steps and step cap are the engine's own defaults).
-LLADA22_DEFAULTS = {"threshold": 0.5, "editing_threshold": 0.0,
-                    "strategy": "low_confidence_dynamic"}
-
-
-def refuse_policy_for_llada22(engine_options: dict[str, Any]) -> None:
-    """Before the options are parsed (so that the reason is LLaDA2.2's, not a consequence
-    of its editing defaults): raise ``ValueError`` where the policy cannot serve it
-    (``combinations.py``, the same check every request's options get)."""
+def refuse_combination(model: ModelCapabilities, engine_options: dict[str, Any],
+                       config: Any = None) -> None:
+    """Raise ``ValueError`` where the chosen policy cannot serve the model
+    (``capabilities.refusal``, the check every request's options get): first with the
+    options as given (before they are parsed, so that the reason is the model's, not a
+    consequence of its option defaults), then, with ``config`` (the parsed configuration),
+    with the resolved options and the block size."""
     policy = POLICIES.get(engine_options.get("diffusion_policy", "standard"))
-    reason = (None if policy is None
-              else combination_refusal(model_needs(routes_per_block=True), policy,
-                                       engine_options))
+    if policy is None:
+        return  # parsing the options names the unknown policy
+    given = {k: v for k, v in engine_options.items() if k != "diffusion_policy"}
+    reason = refusal(model, policy, given)
+    if reason is None and config is not None:
+        reason = refusal(model, policy, dataclasses.asdict(config.policy_config), given,
+                         block_size=config.block_size)
     if reason is not None:
         raise ValueError(reason)
-
-
-def check_llada22(config: Any, policy: Any, routing_block_size: int) -> None:
-    """A LLaDA2.2 checkpoint decodes whole blocks by its joint loop, on diffusion blocks
-    made of whole routing blocks; raise ``ValueError`` naming what does not fit."""
-    if config.block_size % routing_block_size:
-        raise ValueError(
-            f"LLaDA2.2 routes experts per block of {routing_block_size} tokens (config "
-            f"block_size); the diffusion block size ({config.block_size}) must be a "
-            f"multiple of it")
-    if not policy.rewrites_blocks():
-        raise ValueError(f"the {config.policy_name} policy does not decode by LLaDA2.2's "
-                         f"joint editing loop; use the standard policy")
 
 
 class DiffusionModelConfigHook(VerifyAndUpdateConfig):
@@ -89,15 +77,17 @@ class DiffusionModelConfigHook(VerifyAndUpdateConfig):
         mask_token_id = getattr(hf_config, "mask_token_id", None)
         if mask_token_id is None:
             mask_token_id = _tokenizer_mask_token_id(model_config)
-        edit_tokens = edit_tokens_of(hf_config)
+        model = model_capabilities(hf_config)
+        unserved = model_refusal(model)
+        if unserved is not None:
+            raise ValueError(unserved)
         extra = dict(vllm_config.additional_config or {})
-        if edit_tokens is not None:
-            refuse_policy_for_llada22(extra)
-            extra["edit_token_ids"] = (edit_tokens.delete, edit_tokens.split)
+        refuse_combination(model, extra)
         config = parse_engine_options(
             extra, config_block_size=getattr(hf_config, "block_size", None),
             config_mask_token_id=mask_token_id, vocab_size=model_config.get_vocab_size(),
-            model_defaults=LLADA22_DEFAULTS if edit_tokens is not None else None)
+            model=model)
+        refuse_combination(model, extra, config)
         store_resolved(vllm_config, config)
 
         block = config.block_size
@@ -108,9 +98,7 @@ class DiffusionModelConfigHook(VerifyAndUpdateConfig):
                 f"{model_config.max_model_len // block * block}"
             )
         policy = config.make_policy()
-        policy.bind_model(hf_config, bool(vllm_config.cache_config.enable_prefix_caching))
-        if edit_tokens is not None:
-            check_llada22(config, policy, hf_config.block_size)
+        policy.bind(model, hf_config, bool(vllm_config.cache_config.enable_prefix_caching))
         if vllm_config.speculative_config is not None:
             raise ValueError("speculative decoding cannot be combined with block diffusion")
         structured = vllm_config.structured_outputs_config

@@ -1,15 +1,19 @@
-"""The engine's per-step diffusion counters, encoded once for vLLM's stats path.
+"""The engine's per-step diffusion counters, and their one encoding for vLLM's stats path.
 
-vLLM carries diffusion counters in ``SpecDecodingStats`` (as its native diffusion models
-do): denoising steps in ``num_drafts``, canvas positions evaluated in
-``num_draft_tokens``, committed tokens in ``num_accepted_tokens``. What is specific to
-this plugin -- the block positions that reach the last layer (fewer when a policy drops
-rows), the structured-output matcher calls (bitmask fills, tokens accepted), the chunk
-size an adaptive policy chose, the token edits (substitutions, deletions, splits) and the
-block positions through each layer -- travels in
-``num_draft_tokens_per_pos``, which vLLM's own loggers do not read. ``encode`` (the
-scheduler) and ``plugin_counters`` (the front end's loggers) are the only two places that
-know that layout.
+vLLM 0.32 declares no field a plugin can fill with its own per-step statistics: the
+scheduler's ``SchedulerStats`` has fixed fields, and the front end decodes it as that class
+(a subclass's extra fields are dropped between processes). So the counters ride in
+``SpecDecodingStats``, the field vLLM's native diffusion models use (patches/README.md row
+20): denoising steps in ``num_drafts``, canvas positions evaluated in
+``num_draft_tokens``, committed tokens in ``num_accepted_tokens``, and the plugin's own
+counters in ``num_draft_tokens_per_pos``, which vLLM's loggers do not read, behind a tag
+naming the layout's version::
+
+    [-LAYOUT_VERSION, positions_after_eviction, matcher_fills, matcher_accepts,
+     chosen_chunk, substitutions, deletions, splits, layer 0, layer 1, ...]
+
+``encode_counters`` (the scheduler) and ``decode_counters`` (the front end's stat loggers)
+are the only two places that know that layout; ``decode_counters(encode_counters(c)) == c``.
 """
 
 from __future__ import annotations
@@ -17,6 +21,15 @@ from __future__ import annotations
 import dataclasses
 
 from vllm.v1.spec_decode.metrics import SpecDecodingStats
+
+# Raise with any change of the layout below. The tag is negative so that no list of
+# counts (what vLLM itself puts in the field) can be mistaken for it.
+LAYOUT_VERSION = 1
+_TAG = -LAYOUT_VERSION
+# StepCounters' single counts in num_draft_tokens_per_pos, in this order after the tag
+_PLUGIN_COUNTS = ("positions_after_eviction", "matcher_fills", "matcher_accepts",
+                  "chosen_chunk")
+_EDIT_KINDS = 3  # substitutions, deletions, splits
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,32 +45,34 @@ class StepCounters:
     token_edits: tuple[int, int, int] = (0, 0, 0)  # substitutions, deletions, splits
 
 
-@dataclasses.dataclass(frozen=True)
-class PluginCounters:
-    """The counters vLLM has no field for."""
-
-    positions_after_eviction: int
-    matcher_fills: int
-    matcher_accepts: int
-    chosen_chunk: int
-    token_edits: tuple[int, int, int]
-    layer_positions: tuple[int, ...]
-
-
-def encode(counters: StepCounters) -> SpecDecodingStats:
+def encode_counters(counters: StepCounters) -> SpecDecodingStats:
+    """One step's counters as the ``SpecDecodingStats`` the scheduler reports."""
+    if len(counters.token_edits) != _EDIT_KINDS:
+        raise ValueError(f"token_edits holds {_EDIT_KINDS} counts (substitutions, "
+                         f"deletions, splits), got {counters.token_edits!r}")
     return SpecDecodingStats(
         num_spec_tokens=0, num_drafts=counters.denoised_blocks,
         num_draft_tokens=counters.block_positions,
         num_accepted_tokens=counters.committed_tokens,
-        num_draft_tokens_per_pos=[counters.positions_after_eviction, counters.matcher_fills,
-                                  counters.matcher_accepts, counters.chosen_chunk,
+        num_draft_tokens_per_pos=[_TAG, *(getattr(counters, name) for name in _PLUGIN_COUNTS),
                                   *counters.token_edits, *counters.layer_positions])
 
 
-def plugin_counters(stats: SpecDecodingStats) -> PluginCounters | None:
-    """The plugin's counters in ``stats`` (None: a step that carried none)."""
-    counts = stats.num_draft_tokens_per_pos
+def decode_counters(stats: SpecDecodingStats) -> StepCounters | None:
+    """The step's counters in ``stats``; None where they carry none of the plugin's (an
+    empty per-position list)."""
+    counts = list(stats.num_draft_tokens_per_pos)
     if not counts:
         return None
-    return PluginCounters(counts[0], counts[1], counts[2], counts[3], tuple(counts[4:7]),
-                          tuple(counts[7:]))
+    singles = 1 + len(_PLUGIN_COUNTS)
+    if counts[0] != _TAG or len(counts) < singles + _EDIT_KINDS:
+        raise ValueError(
+            f"SpecDecodingStats.num_draft_tokens_per_pos does not hold vllm-diffusion's "
+            f"counters of layout version {LAYOUT_VERSION} (tag {_TAG}, then at least "
+            f"{singles + _EDIT_KINDS - 1} counts), got {counts[:12]}")
+    return StepCounters(
+        denoised_blocks=stats.num_drafts, block_positions=stats.num_draft_tokens,
+        committed_tokens=stats.num_accepted_tokens,
+        **dict(zip(_PLUGIN_COUNTS, counts[1:singles])),
+        token_edits=tuple(counts[singles:singles + _EDIT_KINDS]),
+        layer_positions=tuple(counts[singles + _EDIT_KINDS:]))

@@ -13,12 +13,10 @@ from typing import Any
 
 from vllm.exceptions import VLLMValidationError
 
-from vllm_diffusion.combinations import combination_refusal, model_needs
-from vllm_diffusion.config import DiffusionEngineConfig, wants_step_map
+from vllm_diffusion.capabilities import refusal, request_refusal
+from vllm_diffusion.config import ROLLBACK_BACKENDS, DiffusionEngineConfig, wants_step_map
 from vllm_diffusion.options import OptionError, shown
-from vllm_diffusion.worker.grammar import ROLLBACK_BACKENDS
 
-_EPS = 1e-5
 # torch.Generator.manual_seed accepts exactly this range; a seed outside it would raise
 # in the worker when the request's generator is built.
 _SEED_RANGE = (-(2**63), 2**64 - 1)
@@ -75,7 +73,15 @@ def validate_sampling_params(params: Any, config: DiffusionEngineConfig) -> None
         policy_config = config.request_policy_config(params.extra_args)
     except OptionError as err:
         raise VLLMValidationError(str(err), parameter="extra_args") from err
-    _check_joint_editing(params, config, policy_config)
+    model = config.model
+    refused = refusal(model, config.policy, dataclasses.asdict(policy_config),
+                      given=params.extra_args or {})
+    if refused is not None:
+        raise VLLMValidationError(f"extra_args: {refused}", parameter="extra_args")
+    refused_parameter = request_refusal(model, params)
+    if refused_parameter is not None:
+        parameter, why = refused_parameter
+        raise VLLMValidationError(why, parameter=parameter)
     _check_structured_outputs(params, config, policy_config)
     if params.n > 1 and wants_step_map(params.extra_args):
         # vLLM's responses keep only the first choice's kv_transfer_params, which carry
@@ -84,44 +90,6 @@ def validate_sampling_params(params: Any, config: DiffusionEngineConfig) -> None
             f"return_step_map requires n=1 (got n={params.n}): the step map travels in "
             "kv_transfer_params, which the response carries for one choice only",
             parameter="n", value=params.n)
-
-
-def _check_joint_editing(params: Any, config: DiffusionEngineConfig,
-                         policy_config: Any) -> None:
-    """LLaDA2.2's joint editing moves tokens within a block: what needs fixed positions,
-    its sampled path and options of other decoding rules are refused with it; its step
-    cap is refused elsewhere (nothing would read it)."""
-    asked = params.extra_args or {}
-    if config.edit_token_ids is None:
-        if "max_steps_per_block" in asked:
-            raise VLLMValidationError(
-                "option 'max_steps_per_block' caps LLaDA2.2's joint editing loop; this "
-                "model does not decode by it, remove the option", parameter="extra_args")
-        return
-    refused = combination_refusal(model_needs(config.edit_token_ids is not None), config.policy,
-                                  dataclasses.asdict(policy_config))
-    if refused is not None:
-        raise VLLMValidationError(f"extra_args: {refused}", parameter="extra_args")
-    why = "LLaDA2.2's joint editing (DELETE / SPLIT edits move tokens within a block)"
-    refusals = (
-        ("temperature", params.temperature >= _EPS,
-         "its published loop samples mask-to-token writes but edits greedily; only its "
-         "greedy path (temperature 0) is implemented"),
-        ("logprobs", params.logprobs is not None or bool(params.logprob_token_ids),
-         "a token's logprob under moving positions is not defined yet"),
-        ("bad_words", bool(params.bad_words), "bad words are barred at fixed positions"),
-        ("min_tokens", bool(params.min_tokens), "min_tokens bars stop tokens at fixed "
-         "output positions"),
-        ("extra_args", getattr(policy_config, "strategy", None) != "low_confidence_dynamic",
-         "option 'strategy': it unmasks by its own rule (its threshold and quota schedule)"),
-        ("structured_outputs", params.structured_outputs is not None
-         and not params.structured_outputs.all_constraints_none(),
-         "a grammar follows tokens at fixed positions"),
-    )
-    for parameter, refused, reason in refusals:
-        if refused:
-            raise VLLMValidationError(f"{parameter} is not supported with {why}: {reason}",
-                                      parameter=parameter)
 
 
 def _check_structured_outputs(params: Any, config: DiffusionEngineConfig,

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from vllm_diffusion.attention.importance import step_candidate_importance
+from vllm_diffusion.capabilities import PolicyTraits
 from vllm_diffusion.policies.base import DecodingPolicy
 from vllm_diffusion.step.hooks import (ForwardStep, LayerHooks, LayerInput, RowSelection,
                                        StepHooks)
@@ -62,6 +63,10 @@ class RecordingHooks(StepHooks):
 
     def select_keys(self, layer_input: LayerInput):
         return self.inner.select_keys(layer_input) if self.inner is not None else None
+
+    def after_key_scoring(self, layer: int, selected) -> None:
+        if self.inner is not None:
+            self.inner.after_key_scoring(layer, selected)
 
     def scores(self, request: DiffusionRequest) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(I1 - I0, I1) of the request's masked positions, or None if not recorded."""
@@ -115,8 +120,8 @@ class RecordingPolicy(DecodingPolicy):
         return getattr(self.inner, attribute)
 
     # The interface's methods: the inner's, with recording added at two of them.
-    def bind_model(self, hf_config: Any, prefix_caching: bool) -> None:
-        self.inner.bind_model(hf_config, prefix_caching)
+    def bind(self, model: Any, hf_config: Any, prefix_caching: bool) -> None:
+        self.inner.bind(model, hf_config, prefix_caching)
 
     def begin_step(self, requests: list[DiffusionRequest]) -> None:
         self.inner.begin_step(requests)
@@ -150,11 +155,12 @@ class RecordingPolicy(DecodingPolicy):
         return self.inner.choose_edits(batch)
 
     @classmethod
-    def partial_block_reason(cls, options: Any) -> str | None:
-        return "importance recording studies SDAR-style decoding, not LLaDA2.2's"
+    def traits(cls, options: Any) -> PolicyTraits:
+        return PolicyTraits(partial_blocks="importance recording studies decoding on fixed "
+                            "positions with whole-block forwards only")
 
-    def rewrites_blocks(self) -> bool:
-        return self.inner.rewrites_blocks()
+    def ranked_proposals(self) -> int:
+        return self.inner.ranked_proposals()
 
     def rewrite_block(self, request: DiffusionRequest, old: torch.Tensor,
                       proposals: torch.Tensor, confidence: torch.Tensor,

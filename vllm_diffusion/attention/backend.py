@@ -1,20 +1,26 @@
 """vLLM attention backend for block-diffusion steps.
 
-The diffusion runner builds ``BlockDiffusionMetadata`` itself for every step (one object
-shared by all layers); the backend stores the keys/values of every key row at the given
-slots and runs block-causal attention for the query rows over each request's paged KV
-(the Triton kernel on CUDA through ``kernels.dispatch``; vLLM's own CPU attention kernel
-on CPU, ``cpu_attention``; both have the signature of the torch reference and are tested
-against it). The rows it
-reads are the step's current ones (``step.rows.StepRows``): a hook may have dropped query
-rows at this layer (the layer still stores every row's keys/values), and may have
-restricted the prefix keys that requests' block rows see (``key_selection``).
+The diffusion runner builds the attention's metadata itself for every step: one read-only
+view per layer (``BlockDiffusionMetadata``) in vLLM's forward context, made by whoever owns
+the step's rows (``step.rows.StepRows``: the step's run object on a step with hooks,
+``models/step_run.py``, else the step's forward) and shared by the layers whose rows are
+the same. The backend stores the keys/values of the view's key rows at its slots and runs
+block-causal attention for its query rows over each request's paged KV (the Triton kernel
+on CUDA through ``kernels.dispatch``; vLLM's own CPU attention kernel on CPU,
+``cpu_attention``, with the step-fixed plan the owner made, ``plan_step``; both have the
+signature of the torch reference and are tested against it). A hook may have dropped query
+rows before this layer (the layer still stores the keys/values of every row that entered
+it) and may have restricted the prefix keys that requests' block rows see
+(``key_selection``). The attention changes nothing it is given except its outputs: the
+attention output and, for a key selection with scoring requests, the view's
+``selected_prefix`` slot, which the run hands to the policy after this attention.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 
@@ -36,24 +42,64 @@ from vllm_diffusion.attention.cpu_attention import (attend_segments, cpu_kernel_
                                                    plan_segments,
                                                    segmented_block_causal_attention,
                                                    write_kv_with_vllm)
-from vllm_diffusion.attention.key_selection import attend_with_key_selection
+from vllm_diffusion.attention.key_selection import attend_with_key_selection, score_prefixes
 from vllm_diffusion.kernels.block_attention import (PaddedPlan, attend_padded,
                                                     padded_block_causal_attention,
                                                     plan_padded_attention, write_kv)
 from vllm_diffusion.kernels.dispatch import kernel
+from vllm_diffusion.step.keys import KeySelection, SelectedPrefix
 from vllm_diffusion.step.rows import StepRows
 
 logger = init_logger(__name__)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class BlockDiffusionMetadata:
-    """One step's attention metadata, shared by every layer; the rows computed now live in
-    ``rows``, which the step's run object narrows when a hook drops rows."""
+    """What one layer's attention reads: a read-only view of the step's rows at that
+    layer, made by the rows' owner (the attention never changes it)."""
 
-    rows: StepRows
+    query_positions: torch.Tensor  # [T] absolute positions of the query rows
+    slot_mapping: torch.Tensor  # [T_kv] KV slot of each key row stored, -1 = not stored
+    query_start_loc: tuple[int, ...]  # R + 1 query row offsets per request (host)
+    kv_lens: tuple[int, ...]  # R: keys [0, kv_len) are visible to request r (host)
     block_table: torch.Tensor  # [R, max_pages] page ids per request
     diffusion_block_size: int
+    # The CPU attention's plan for these query rows (``plan_step``), made once by the
+    # owner for the layers that share them; None: none made, the attention plans its call
+    attention_plan: Any = None
+    key_selection: KeySelection | None = None  # this layer's (None: dense)
+    # Output slot of a key selection with scoring requests: the attention puts in it what
+    # it selected for each (request index -> [H_sel, keep] int64); None without scoring
+    selected_prefix: SelectedPrefix | None = None
+
+    @classmethod
+    def of(cls, rows: StepRows, block_table: torch.Tensor,
+           diffusion_block_size: int) -> BlockDiffusionMetadata:
+        """A view of the rows as they are now (``StepRows`` replaces, never changes, its
+        fields, so the view keeps them)."""
+        return cls(rows.query_positions, rows.slot_mapping, tuple(rows.query_start_loc),
+                   tuple(rows.kv_lens), block_table, diffusion_block_size)
+
+    def with_key_selection(self, key_selection: KeySelection,
+                           selected_prefix: SelectedPrefix | None) -> BlockDiffusionMetadata:
+        """This view for a layer with a key selection (and its output slot)."""
+        # the constructor, not ``dataclasses.replace``: this runs at every such layer
+        return BlockDiffusionMetadata(
+            self.query_positions, self.slot_mapping, self.query_start_loc, self.kv_lens,
+            self.block_table, self.diffusion_block_size, self.attention_plan, key_selection,
+            selected_prefix)
+
+    @property
+    def num_queries(self) -> int:
+        return len(self.query_positions)
+
+
+def step_planner(attention_layer: torch.nn.Module
+                 ) -> Callable[[BlockDiffusionMetadata], Any]:
+    """The step-fixed attention plan for a view's rows, made with ``attention_layer``
+    (one of the model's block-diffusion ``Attention`` layers: every layer has the same
+    heads and cache shape, so one layer's plan serves all)."""
+    return lambda view: attention_layer.impl.plan_step(view, attention_layer.kv_cache)
 
 
 class BlockDiffusionAttentionBackend(AttentionBackend):
@@ -129,9 +175,9 @@ class BlockDiffusionAttentionImpl(AttentionImpl[BlockDiffusionMetadata]):
         self.scale = scale
         self.num_kv_heads = num_kv_heads or num_heads
         # CPU: vLLM's CPU attention kernel where it has one for the head size, else the
-        # padded torch path; planned once per step (``StepRows.attention_plan``) and
-        # attended per layer, or in one call (``cpu_dense``) for the dense rows of a step
-        # with a key selection.
+        # padded torch path; planned once per step by the rows' owner (``plan_step``) and
+        # attended per layer, or in one call (``cpu_dense``) for a view without a plan and
+        # for the dense rows of a step with a key selection.
         self.cpu_attention = (plan_segments, attend_segments)
         self.cpu_dense = segmented_block_causal_attention
         # the KV write: vLLM's CPU kernel where its attention runs, else the torch path
@@ -149,37 +195,55 @@ class BlockDiffusionAttentionImpl(AttentionImpl[BlockDiffusionMetadata]):
                                      block_size, kv_cache.shape[2],
                                      num_heads // self.num_kv_heads)
 
+    def plan_step(self, view: BlockDiffusionMetadata, kv_cache: torch.Tensor) -> Any:
+        """The step-fixed part of this attention for the view's query rows, which serves
+        every layer while they stay (``BlockDiffusionMetadata.attention_plan``); None on
+        CUDA, whose kernel needs none."""
+        if kv_cache.device.type == "cuda":
+            return None
+        plan, _ = self.cpu_attention
+        return plan(view.query_positions, view.query_start_loc, view.kv_lens,
+                    view.block_table, view.diffusion_block_size, self.num_heads, kv_cache)
+
     def forward(self, layer: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
                 value: torch.Tensor, kv_cache: torch.Tensor,
                 attn_metadata: BlockDiffusionMetadata | None, output: torch.Tensor,
                 output_scale=None, output_block_scale=None) -> torch.Tensor:
+        """query [T(+padding), H, D]; key, value [T_kv(+padding), H_kv, D]; writes and
+        returns output [T(+padding), H, D]."""
         if attn_metadata is None:  # vLLM's profiling runs carry no metadata
             return output.zero_()
-        rows = attn_metadata.rows
-        n, n_kv = rows.num_queries, len(rows.slot_mapping)
+        view = attn_metadata
+        n, n_kv = view.num_queries, len(view.slot_mapping)
         output[n:].zero_()  # rows past the step's: bucket padding (``StepRun``)
-        self.write_kv(kv_cache, key[:n_kv], value[:n_kv], rows.slot_mapping)
-        rows.finish_attention()  # rows dropped before this attention leave the key rows
+        self.write_kv(kv_cache, key[:n_kv], value[:n_kv], view.slot_mapping)
         on_cuda = query.device.type == "cuda"
-        block_table, block_size = attn_metadata.block_table, attn_metadata.diffusion_block_size
-        if rows.key_selection is None:
+        block_table, block_size = view.block_table, view.diffusion_block_size
+        selection = view.key_selection
+        if selection is None:
             if on_cuda:
                 output[:n] = kernel("block_attention", query.device)(
-                    query[:n], kv_cache, rows.query_positions, rows.query_start_loc,
-                    rows.kv_lens, block_table, block_size, self.scale)
-                return output
-            plan, attend = self.cpu_attention
-            if rows.attention_plan is None:  # at the step's first layer, or after a drop
-                rows.attention_plan = plan(rows.query_positions, rows.query_start_loc,
-                                           rows.kv_lens, block_table, block_size,
-                                           self.num_heads, kv_cache)
-            output[:n] = attend(query[:n], kv_cache, rows.attention_plan, self.scale)
+                    query[:n], kv_cache, view.query_positions, view.query_start_loc,
+                    view.kv_lens, block_table, block_size, self.scale)
+            elif view.attention_plan is not None:
+                output[:n] = self.cpu_attention[1](query[:n], kv_cache, view.attention_plan,
+                                                   self.scale)
+            else:
+                output[:n] = self.cpu_dense(query[:n], kv_cache, view.query_positions,
+                                            view.query_start_loc, view.kv_lens, block_table,
+                                            block_size, self.scale)
             return output
         dense = kernel("block_attention", query.device) if on_cuda else self.cpu_dense
         tp_size = get_tensor_model_parallel_world_size()
+        sum_heads = tensor_model_parallel_all_reduce if tp_size > 1 else None
+        if selection.scoring:
+            if view.selected_prefix is None:
+                raise ValueError("a key selection with scoring requests needs an output "
+                                 "slot (BlockDiffusionMetadata.selected_prefix)")
+            view.selected_prefix.update(score_prefixes(
+                query[:n], kv_cache, view.query_start_loc, block_table, selection,
+                self.scale, sum_heads, self.num_heads * tp_size))
         output[:n] = attend_with_key_selection(
-            query[:n], kv_cache, rows, block_table, block_size, rows.key_selection, self.scale,
-            dense, kernel("sparse_prefix_attention", query.device),
-            sum_heads=tensor_model_parallel_all_reduce if tp_size > 1 else None,
-            total_heads=self.num_heads * tp_size)
+            query[:n], kv_cache, view, block_table, block_size, selection, self.scale,
+            dense, kernel("sparse_prefix_attention", query.device))
         return output

@@ -5,8 +5,9 @@ run non-causally over its first ``seq_len`` keys. Block-causal attention is that
 run: the rows of one request in one diffusion block form a segment whose keys are
 [0, min(kv_len, block end)) (a query at position q sees key k iff k < kv_len and
 k // B <= q // B). A step's segments, their key counts and vLLM's scheduler metadata are
-planned once (``plan_segments``) and kept for every layer while no row drops; each layer
-then makes one kernel call, with no padding and no per-request Python (``attend_segments``).
+planned once (``plan_segments``) by the owner of the step's rows, which hands the plan to
+every layer in the layer's view while no row drops; each layer then makes one kernel call,
+with no padding and no per-request Python (``attend_segments``).
 
 The cache is in the split arrangement (``kernels.kv_pages``), which vLLM's portable
 kernels (``vec16``, or ``vec`` for pages of a multiple of 32 positions) read.

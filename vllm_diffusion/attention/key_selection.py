@@ -1,48 +1,64 @@
-"""Attention for a step with a key selection (``step.keys.KeySelection``): the requests
-that select score their prefix first (``kernels.sparse_prefix.select_prefix``), then the
-block rows of the sparse requests attend to their kept prefix keys plus their block with
-the sparse kernel and every other row attends densely."""
+"""Attention for a step with a key selection (``step.keys.KeySelection``), in two parts
+that change nothing they are given: the requests that select score their prefix
+(``score_prefixes``, whose result the backend puts in the layer view's output slot), then
+the block rows of the sparse requests attend to their kept prefix keys plus their block
+with the sparse kernel and every other row attends densely (``attend_with_key_selection``)."""
 
 from __future__ import annotations
+
+from collections.abc import Callable, Sequence
 
 import torch
 
 from vllm_diffusion.kernels.sparse_prefix import select_prefix
-from vllm_diffusion.step.keys import KeySelection, RowSplit
-from vllm_diffusion.step.rows import StepRows
+from vllm_diffusion.step.keys import KeySelection, RowSplit, SelectedPrefix
 
 
-def attend_with_key_selection(query: torch.Tensor, kv_cache: torch.Tensor, rows: StepRows,
+def score_prefixes(query: torch.Tensor, kv_cache: torch.Tensor,
+                   query_start_loc: Sequence[int], block_table: torch.Tensor,
+                   selection: KeySelection, scale: float,
+                   sum_heads: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                   total_heads: int | None = None) -> SelectedPrefix:
+    """The prefix positions each scoring request's block queries select at this layer.
+
+    query: [T, H, D] the layer's queries; ``sum_heads`` and ``total_heads`` as in
+    ``select_prefix`` (tensor parallel)."""
+    selected = {}
+    for scoring in selection.scoring:
+        r = scoring.request
+        end = query_start_loc[r + 1]
+        block_query = query[end - selection.block_rows[r]:end]  # [n, H, D]
+        selected[r] = select_prefix(
+            block_query, kv_cache, block_table[r], selection.prefix_lens[r], scale,
+            scoring.keep, scoring.pool_kernel, scoring.per_kv_head, sum_heads, total_heads)
+    return selected
+
+
+def attend_with_key_selection(query: torch.Tensor, kv_cache: torch.Tensor, rows,
                               block_table: torch.Tensor, block_size: int,
                               selection: KeySelection, scale: float, dense_kernel,
-                              sparse_kernel, sum_heads=None, total_heads=None) -> torch.Tensor:
+                              sparse_kernel) -> torch.Tensor:
     """One layer's attention for a step with prefix sparsity (after its KV was written):
-    first the requests that select score their prefix, then block rows of sparse requests
-    attend with ``sparse_kernel`` and every other row with ``dense_kernel``."""
-    md, loc, sparsity = rows, rows.query_start_loc, selection
-    for scoring in sparsity.scoring:
-        r = scoring.request
-        block_query = query[loc[r + 1] - sparsity.block_rows[r]:loc[r + 1]]
-        scoring.record(select_prefix(
-            block_query, kv_cache, block_table[r], sparsity.prefix_lens[r], scale,
-            scoring.keep, scoring.pool_kernel, scoring.per_kv_head, sum_heads, total_heads))
-    if not sparsity.sparse:
-        return dense_kernel(query, kv_cache, md.query_positions, loc, md.kv_lens,
-                            block_table, block_size, scale)
-    if sparsity.split is None:
-        sparsity.split = RowSplit.of(loc, sparsity.block_rows, sparsity.sparse, query.device)
-    split = sparsity.split
+    block rows of sparse requests attend with ``sparse_kernel``, every other row with
+    ``dense_kernel``. ``rows``: the layer's view (``query_positions``,
+    ``query_start_loc``, ``kv_lens``); query [T, H, D]; returns [T, H, D]."""
+    loc, kv_lens, positions = rows.query_start_loc, rows.kv_lens, rows.query_positions
+    if not selection.sparse:
+        return dense_kernel(query, kv_cache, positions, loc, kv_lens, block_table,
+                            block_size, scale)
+    split = selection.split or RowSplit.of(loc, selection.block_rows, selection.sparse,
+                                           query.device)
     output = torch.empty_like(query)
     output[split.sparse_index] = sparse_kernel(
-        query[split.sparse_index], kv_cache, md.query_positions[split.sparse_index],
-        split.sparse_loc, [md.kv_lens[r] for r in sparsity.sparse],
+        query[split.sparse_index], kv_cache, positions[split.sparse_index],
+        split.sparse_loc, [kv_lens[r] for r in selection.sparse],
         block_table[split.sparse_requests.to(block_table.device)],
-        block_size, scale, sparsity.kept_index,
-        [sparsity.prefix_lens[r] for r in sparsity.sparse])
+        block_size, scale, selection.kept_index,
+        [selection.prefix_lens[r] for r in selection.sparse])
     if split.dense_index is not None:
         output[split.dense_index] = dense_kernel(
-            query[split.dense_index], kv_cache, md.query_positions[split.dense_index],
-            split.dense_loc, [md.kv_lens[r] for r in split.dense_requests],
+            query[split.dense_index], kv_cache, positions[split.dense_index],
+            split.dense_loc, [kv_lens[r] for r in split.dense_requests],
             block_table[split.dense_request_index.to(block_table.device)],
             block_size, scale)
     return output

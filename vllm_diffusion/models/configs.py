@@ -5,7 +5,11 @@ LLaDA2 is the Ling-2.0 (BailingMoeV2) architecture with one. Registering these l
 ``model_type: sdar`` / ``sdar_moe`` / ``llada2_moe`` load without remote code.
 """
 
+from typing import Any
+
 from transformers import PretrainedConfig, Qwen3Config, Qwen3MoeConfig
+
+from vllm_diffusion.capabilities import ModelCapabilities
 
 
 class SDARConfig(Qwen3Config):
@@ -110,6 +114,52 @@ class LLaDA2MoeConfig(PretrainedConfig):
         self.split_token_id = split_token_id
         super().__init__(pad_token_id=pad_token_id, tie_word_embeddings=tie_word_embeddings,
                          **kwargs)
+
+
+# LLaDA2.2's published generation settings where they differ from the engine's defaults
+# (its quota schedule, post steps and step cap are the engine's own defaults).
+LLADA22_DECODING = {"threshold": 0.5, "editing_threshold": 0.0,
+                    "strategy": "low_confidence_dynamic"}
+
+
+def _llada2_capabilities(config: Any) -> ModelCapabilities:
+    """LLaDA2.0 / 2.1: block diffusion on fixed positions. LLaDA2.2
+    (``expert_capacity > 0``): experts routed per block of ``block_size`` tokens, and
+    DELETE / SPLIT edits that move tokens (their ids checked here)."""
+    if not (getattr(config, "expert_capacity", 0) or 0):
+        return ModelCapabilities(family="LLaDA2")
+    ids = []
+    for name in ("delete_token_id", "split_token_id"):
+        value = getattr(config, name, None)
+        if not isinstance(value, int) or not 0 <= value < config.vocab_size:
+            raise ValueError(f"a LLaDA2.2 checkpoint (expert_capacity > 0) needs "
+                             f"config.json '{name}' in [0, {config.vocab_size}), got "
+                             f"{value!r}")
+        ids.append(value)
+    if ids[0] == ids[1]:
+        raise ValueError(f"delete_token_id and split_token_id must differ, both {ids[0]}")
+    return ModelCapabilities(family="LLaDA2.2", edit_tokens=(ids[0], ids[1]),
+                             routing_block_size=config.block_size,
+                             option_defaults=LLADA22_DECODING)
+
+
+# model_type -> what serving the family needs, from its configuration
+FAMILY_CAPABILITIES = {
+    SDARConfig.model_type: lambda config: ModelCapabilities(family="SDAR"),
+    SDARMoeConfig.model_type: lambda config: ModelCapabilities(family="SDAR-MoE"),
+    LLaDA2MoeConfig.model_type: _llada2_capabilities,
+}
+
+
+def model_capabilities(hf_config: Any) -> ModelCapabilities:
+    """The served model's capabilities, as its family declares them; raises ``ValueError``
+    where the checkpoint's configuration contradicts them."""
+    model_type = getattr(hf_config, "model_type", None)
+    declare = FAMILY_CAPABILITIES.get(model_type)
+    if declare is None:
+        raise ValueError(f"vllm-diffusion has no model family for model_type "
+                         f"{model_type!r}; known: {', '.join(sorted(FAMILY_CAPABILITIES))}")
+    return declare(hf_config)
 
 
 def register_hf_configs() -> None:

@@ -3,18 +3,19 @@
 A forward is a chain of half layers: unit 2l is layer l's ``attention_inputs`` (norm and
 projections), unit 2l + 1 its ``attention_output`` (attention, norm and MLP). A step's
 hooks run between units (``step_run``): ``before_attention`` and ``select_keys`` of
-layer l after unit 2l (``select_keys`` has an ``after_attention``
-after unit 2l + 1, which ends its selection; rows dropped before an attention leave the
-key rows inside it), ``after_output`` of layer l after unit 2l + 1. The units between two
-hook points form a piece, compiled once by ``torch.compile`` with a dynamic row
-dimension, so the rows a hook keeps go through the later layers compiled, whatever their
-number. The hooks themselves, which make data-dependent choices on the host, run eagerly
-between the pieces.
+layer l after unit 2l (``select_keys`` has an ``after_attention`` after unit 2l + 1, which
+hands what the attention selected to the hooks), ``after_output`` of layer l after unit
+2l + 1. The units between two hook points form a piece, compiled once by ``torch.compile``
+with a dynamic row dimension, so the rows a hook keeps go through the later layers
+compiled, whatever their number. The hooks themselves, which make data-dependent choices
+on the host, run eagerly between the pieces.
 
 vLLM's attention is an opaque custom op on the platforms that compile this way, so a piece
-calls it as the whole-model graph does, and the op reads the step's current rows from the
-forward context. Each piece gets its own copy of the code object that runs it, so
-torch.compile caches its graphs per piece (the recompile limit counts per code object).
+calls it as the whole-model graph does, and the op reads its layer's view of the step's
+rows from the forward context, which the run publishes at the hook point before the
+piece (no piece's traced code reads a view). Each piece gets its own copy of the code
+object that runs it, so torch.compile caches its graphs per piece (the recompile limit
+counts per code object).
 Pieces compile on their first use; with ``--enforce-eager`` they run eagerly, and so do
 the pieces of a hook set with a hook at every layer (``sparse_prefix``'s key selection:
 no piece spans a whole layer, so compiling its 2L half layers cost 8 s at the first
@@ -35,7 +36,7 @@ from vllm_diffusion.step.hooks import LayerHooks
 def piece_boundaries(declared: LayerHooks, num_layers: int) -> list[tuple[int, int]]:
     """(first unit, last unit) of each piece, in order, for hooks at ``declared`` layers."""
     cuts = {2 * num_layers - 1}
-    for layer in declared.select_keys:  # its key selection ends after the attention
+    for layer in declared.select_keys:  # its selection's result goes to the hooks
         cuts |= {2 * layer, 2 * layer + 1}
     cuts |= {2 * layer for layer in declared.before_attention}
     for layer in declared.after_output:

@@ -1,4 +1,5 @@
-"""The model contract: how a diffusion step's hooks run between a family's layer halves.
+"""The model contract: how a diffusion step's hooks run between a family's layer halves,
+and what each layer's attention reads.
 
 Each family's decoder layer owns its body in two halves around its attention
 (``attention_inputs`` -> q, k, v and ``attention_output`` -> hidden; pre-norm families
@@ -12,39 +13,84 @@ order:
   layer may select keys for the attention (``select_keys``) and drop query rows
   (``before_attention``); returns the queries and the ``carried`` row tensors (the
   residual stream, positions, ...) of the rows that continue. The attention still stores
-  every row's keys/values, then leaves the dropped rows' keys for the later layers
-  (``StepRows.finish_attention``);
-- ``run.after_attention(layer)``: after the attention of a layer with a key selection,
-  which it ends;
+  the keys/values of every row that entered the layer; the later layers see only the
+  continuing rows' keys;
+- ``run.after_attention(layer)``: after the attention of a layer with a key selection:
+  what that attention selected for the policy (its ``selected_prefix`` slot) goes to the
+  hooks (``after_key_scoring``);
 - ``run.after_output(layer, output, *carried)`` when ``run.wants_output(layer)``: with the
   layer's output in the residual stream (``output``, which the hook reads); returns the
   ``carried`` tensors of the rows that continue.
 
 ``attention`` is the layer's attention module: its ``num_heads``, ``num_kv_heads``,
 ``head_dim`` and ``scaling`` (``attention_heads.init_block_diffusion_heads``) shape what
-the hooks see. The run narrows the step's current rows (``step.rows.StepRows``), which the
-attention reads; after the last layer ``run.rows`` holds the step rows of the output
-hidden states (the first ``len(run.rows)`` rows of them: with ``row_buckets`` the rows
-that continue after a drop are padded with zero rows up to a bucket, which the attention
-never reads or stores, ``StepRows`` holding the real rows only, and which the hooks never
-see) and ``run.layer_block_rows`` the block rows each layer computed.
+the hooks see.
+
+The forward is one-way. The step's rows (``step.rows.StepRows``) belong to their owner:
+the run on a step with hooks, the step's forward otherwise. The owner publishes, in vLLM's
+forward context, one read-only view per attention layer (``LayerViews``,
+``attention.backend.BlockDiffusionMetadata``: query positions, slot mapping, row offsets,
+key lengths, the layer's key selection and the CPU attention's plan, made by the owner
+once per set of rows), and the attention changes nothing it reads. The run narrows the
+rows at a hook point and republishes the views of the layers after it, so every view is
+in place before the piece that reads it runs (a layer's own view keeps the key rows that
+entered it). After the last layer ``run.rows`` holds the step rows of the output hidden
+states (the first ``len(run.rows)`` rows of them: with ``row_buckets`` the rows that
+continue after a drop are padded with zero rows up to a bucket, which the attention never
+reads or stores, the views holding the real rows only, and which the hooks never see) and
+``run.layer_block_rows`` the block rows each layer computed.
 """
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
 import torch
 import torch.nn as nn
 
+from vllm_diffusion.attention.backend import BlockDiffusionMetadata
 from vllm_diffusion.kernels.dispatch import kernel
 from vllm_diffusion.step.hooks import LayerInput, RowSelection, StepHooks
+from vllm_diffusion.step.keys import SelectedPrefix
 from vllm_diffusion.step.rows import StepRows
 
 
+class LayerViews:
+    """What each layer's attention reads in a step: ``by_name``, the forward context's
+    metadata (attention layer name -> its read-only view), which the rows' owner fills."""
+
+    def __init__(self, layer_names: Sequence[str], block_table: torch.Tensor,
+                 diffusion_block_size: int,
+                 planner: Callable[[BlockDiffusionMetadata], Any] | None) -> None:
+        self.layer_names = layer_names  # the attention layers, by layer index
+        self.block_table = block_table  # [R, max_pages] page ids per request
+        self.diffusion_block_size = diffusion_block_size
+        self.planner = planner  # the attention's step-fixed plan for a view's rows
+        self.by_name: dict[str, BlockDiffusionMetadata] = {}
+
+    def view(self, rows: StepRows, planned: bool) -> BlockDiffusionMetadata:
+        """A view of the rows as they are now; ``planned``: with the attention's plan (for
+        views that some layer attends densely with)."""
+        view = BlockDiffusionMetadata.of(rows, self.block_table, self.diffusion_block_size)
+        plan = self.planner(view) if planned and self.planner is not None else None
+        return view if plan is None else dataclasses.replace(view, attention_plan=plan)
+
+    def publish(self, view: BlockDiffusionMetadata, first_layer: int,
+                end_layer: int | None = None) -> None:
+        """``view`` for the layers [first_layer, end_layer) (to the last by default)."""
+        for name in self.layer_names[first_layer:end_layer]:
+            self.by_name[name] = view
+
+
 class StepRun:
-    """One forward of a diffusion step with hooks: the hooks in, its surviving rows out."""
+    """One forward of a diffusion step with hooks: the hooks in, its surviving rows out;
+    owns the step's rows and publishes each layer's view of them."""
 
     def __init__(self, hooks: StepHooks, block_rows: torch.Tensor, step_rows: StepRows,
-                 compiled: bool = False, row_buckets: tuple[int, ...] | None = None) -> None:
+                 views: LayerViews, compiled: bool = False,
+                 row_buckets: tuple[int, ...] | None = None) -> None:
         self.hooks = hooks
         # Row counts the continuing rows are padded to after a drop (None: no padding);
         # the padding rows follow the real ones, which ``rows`` lists
@@ -54,16 +100,26 @@ class StepRun:
         self.compiled = compiled
         self.declared = hooks.layers
         self.block_rows = block_rows  # [T] bool (host): the step's block rows
-        self.step_rows = step_rows  # what the attention reads
+        self.step_rows = step_rows  # the rows now; the attention reads views of them
+        self.views = views
         self.rows = torch.arange(len(block_rows))  # [T'] step rows of the current states
         self.layer_block_rows: list[int] = []  # per layer
         self._block_count = int(block_rows.sum())
+        num_layers = len(views.layer_names)
+        selecting = set(self.declared.select_keys)
+        # The last layer whose attention is dense for sure: views for it and the layers
+        # before it carry the attention's plan (a layer with a key selection plans none)
+        self._last_dense_layer = max(
+            (layer for layer in range(num_layers) if layer not in selecting), default=-1)
+        self._view = views.view(step_rows, planned=self._last_dense_layer >= 0)
+        views.publish(self._view, 0)  # every layer reads it until a hook narrows the rows
+        self._selected: tuple[int, SelectedPrefix] | None = None  # (layer, its slot)
 
     def before_attention(self, layer: int, attention: nn.Module, q: torch.Tensor,
                          k: torch.Tensor, *carried: torch.Tensor
                          ) -> tuple[torch.Tensor, ...]:
         """q [T', H * D], k [T', H_kv * D]; returns (q, *carried) of the continuing rows."""
-        declared, selection = self.declared, None
+        declared, key_selection, selection = self.declared, None, None
         real = len(self.rows)  # rows beyond it are bucket padding
         if layer in declared.before_attention or layer in declared.select_keys:
             layer_input = LayerInput(
@@ -72,13 +128,22 @@ class StepRun:
                 key=k[:real].view(-1, attention.num_kv_heads, attention.head_dim),
                 scale=attention.scaling)
             if layer in declared.select_keys:
-                self.step_rows.key_selection = self.hooks.select_keys(layer_input)
+                key_selection = self.hooks.select_keys(layer_input)
             if layer in declared.before_attention:
                 selection = self.hooks.before_attention(layer_input)
+        view = self._view
         if selection is not None:
-            self.step_rows.keep_queries(selection.keep, selection.kv_lens or {})
-            self.step_rows.keys_after_attention = selection.keep
+            entering_keys = self.step_rows.slot_mapping
+            self._narrow(selection, layer, attending_from=layer)
+            # this layer's attention still stores the keys of every row that entered it
+            view = dataclasses.replace(self._view, slot_mapping=entering_keys)
             q, *carried = self._keep(selection, q[:real], *(self._real(t) for t in carried))
+        if key_selection is not None:
+            slot: SelectedPrefix | None = {} if key_selection.scoring else None
+            self._selected = None if slot is None else (layer, slot)
+            view = view.with_key_selection(key_selection, slot)
+        if view is not self._view:
+            self.views.publish(view, layer, layer + 1)
         self.layer_block_rows.append(self._block_count)
         return (q, *carried)
 
@@ -88,7 +153,13 @@ class StepRun:
         self.layer_block_rows.append(self._block_count)
 
     def after_attention(self, layer: int) -> None:
-        self.step_rows.key_selection = None
+        """After the attention of the layer that ends a piece: what a key selection's
+        attention selected goes to the hooks."""
+        if self._selected is None or self._selected[0] != layer:
+            return
+        _, selected = self._selected
+        self._selected = None
+        self.hooks.after_key_scoring(layer, selected)
 
     def wants_output(self, layer: int) -> bool:
         return layer in self.declared.after_output
@@ -100,9 +171,19 @@ class StepRun:
                                                        hidden=self._real(output)))
         if selection is None:
             return carried
-        self.step_rows.keep_queries(selection.keep, selection.kv_lens or {})
-        self.step_rows.keep_keys(selection.keep)
+        self._narrow(selection, layer, attending_from=layer + 1)
         return self._keep(selection, *(self._real(t) for t in carried))
+
+    def _narrow(self, selection: RowSelection, layer: int, attending_from: int) -> None:
+        """Keep the selected rows, queries and keys, and publish their view for the layers
+        after ``layer`` (``attending_from``: the first layer whose queries they are)."""
+        rows = self.step_rows
+        rows.keep_queries(selection.keep, selection.kv_lens or {})
+        rows.keep_keys(selection.keep)
+        if attending_from < len(self.views.layer_names):
+            self._view = self.views.view(
+                rows, planned=attending_from <= self._last_dense_layer)
+            self.views.publish(self._view, layer + 1)
 
     def _real(self, tensor: torch.Tensor) -> torch.Tensor:
         """The real rows of a row tensor (without bucket padding)."""

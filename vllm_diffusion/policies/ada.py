@@ -70,6 +70,7 @@ from vllm_diffusion.policies.base import DecodingPolicy, PolicyConfig
 from vllm_diffusion.policies.block_cache import RULES, IntraBlockCache
 from vllm_diffusion.step.plans import WHOLE_BLOCK, BlockStepPlan, CommitBatch
 from vllm_diffusion.step.request import DiffusionRequest
+from vllm_diffusion.step.slots import SlotTable, slot_index
 
 
 @dataclasses.dataclass(frozen=True)
@@ -157,15 +158,20 @@ def batched_freeze_positions(confidence: torch.Tensor, masked: torch.Tensor,
 
 @dataclasses.dataclass
 class AdaState:
+    """Per request: its block's intra-block cache; its confidence history is its slot's
+    row of the policy's history table for ``history_steps``."""
+
     block_size: int
     history_steps: int
     cache: IntraBlockCache | None = None
-    history: torch.Tensor | None = None  # [B, h] float32 (host), newest confidence first
+    started: bool = False  # a block started: the slot's history row is the request's
 
-    def start_block(self, resumed: bool, freeze_rule: str) -> None:
+    def start_block(self, resumed: bool, freeze_rule: str) -> bool:
+        """Returns whether the history starts anew (a resumed block keeps it)."""
         self.cache = IntraBlockCache(self.block_size, rule=freeze_rule)
-        if not resumed or self.history is None:  # a resumed block keeps its history
-            self.history = torch.zeros(self.block_size, self.history_steps)
+        fresh = not (resumed and self.started)
+        self.started = True
+        return fresh
 
 
 AdaRequest = DiffusionRequest[AdaConfig, AdaState]
@@ -176,11 +182,28 @@ class AdaPolicy(DecodingPolicy[AdaConfig, AdaState]):
     config_cls: ClassVar[type] = AdaConfig
     confidence_rule: ClassVar[str] = "max_probability"
 
+    def __init__(self, block_size: int, mask_token_id: int,
+                 engine_config: AdaConfig) -> None:
+        super().__init__(block_size, mask_token_id, engine_config)
+        # history length h -> [S, B, h] float32 (host): each slot's confidence features,
+        # newest confidence first (one table per length: requests may choose their own)
+        self.histories: dict[int, SlotTable] = {}
+
+    def history_table(self, history_steps: int) -> SlotTable:
+        """The history table of the requests keeping ``history_steps`` confidences."""
+        table = self.histories.get(history_steps)
+        if table is None:
+            table = self.histories[history_steps] = SlotTable(
+                (self.block_size, history_steps), torch.float32)
+        return table
+
     def new_state(self, config: AdaConfig) -> AdaState:
         return AdaState(self.block_size, config.history)
 
     def start_block(self, request: AdaRequest, resumed: bool) -> None:
-        request.policy_state.start_block(resumed, request.policy_config.freeze_rule)
+        state = request.policy_state
+        if state.start_block(resumed, request.policy_config.freeze_rule):
+            self.history_table(state.history_steps).reset(request.slot)
 
     def plan_step(self, request: AdaRequest) -> BlockStepPlan:
         if not request.policy_config.intra_block_cache:
@@ -189,14 +212,15 @@ class AdaPolicy(DecodingPolicy[AdaConfig, AdaState]):
 
     def choose_commits(self, batch: CommitBatch) -> torch.Tensor:
         states = [r.policy_state for r in batch.requests]
-        lengths = sorted({s.history.shape[1] for s in states})
-        groups = [[i for i, s in enumerate(states) if s.history.shape[1] == h]
-                  for h in lengths]  # one batch per history length
+        slots = slot_index(batch.requests)  # [R]
+        lengths = sorted({s.history_steps for s in states})
         commits = torch.zeros_like(batch.masked)
-        histories: list[torch.Tensor | None] = [None] * len(states)
-        for group in groups:
+        for length in lengths:  # one batch per history length
+            group = [i for i, s in enumerate(states) if s.history_steps == length]
             masked, confidence = batch.masked[group], batch.confidence[group]
-            previous = torch.stack([states[i].history for i in group])  # [R, B, h]
+            group_slots = slots[group]
+            table = self.history_table(length).covering(group_slots)  # [S, B, h]
+            previous = table[group_slots]  # [R', B, h]
             shifted = torch.cat([confidence[..., None], previous[..., :-1]], dim=2)
             history = torch.where(masked[..., None], shifted, previous)
             configs = [batch.requests[i].policy_config for i in group]
@@ -207,10 +231,7 @@ class AdaPolicy(DecodingPolicy[AdaConfig, AdaState]):
                                   dtype=torch.float64)
             commits[group] = batched_freeze_positions(confidence, masked, history, capacity,
                                                       floor, static)
-            for i, h in zip(group, history):
-                histories[i] = h
-        for state, history in zip(states, histories):
-            state.history = history
+            table[group_slots] = history
         return commits
 
     def after_step(self, request: AdaRequest, masked_before: torch.Tensor,

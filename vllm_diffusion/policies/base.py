@@ -15,7 +15,8 @@ calls, in order (``begin_step`` first, with every scheduled request):
    hook points it declares (``step.hooks``) -- after a layer's keys/values are computed and
    before its attention (``before_attention``: may drop rows; their KV at that layer is
    still stored), after a layer's output (``after_output``: may drop rows), and inside
-   attention (``select_keys``: which committed-prefix keys each request's block rows see);
+   attention (``select_keys``: which committed-prefix keys each request's block rows see;
+   what the attention selected comes back through ``after_key_scoring``);
 3. ``choose_commits(batch)`` once for all requests: which masked positions to unmask,
    then ``choose_edits(batch)``: which filled positions take a new token (LLaDA2.1
    editing; ``edits_tokens(request)`` says whether a request's tokens may still change);
@@ -31,6 +32,7 @@ from typing import Any, ClassVar, Generic, TypeVar
 
 import torch
 
+from vllm_diffusion.capabilities import ModelCapabilities, PolicyTraits
 from vllm_diffusion.step.hooks import ForwardStep, StepHooks
 from vllm_diffusion.step.plans import WHOLE_BLOCK, BlockStepPlan, CommitBatch, EditBatch
 from vllm_diffusion.step.request import DiffusionRequest
@@ -41,6 +43,9 @@ class PolicyConfig:
 
     # Options a request may not override (set once for the engine).
     engine_only: ClassVar[tuple[str, ...]] = ()
+    # Options that mean something only where the model's edits move tokens within a block
+    # (refused for other models, ``capabilities.refusal``).
+    token_moving_options: ClassVar[tuple[str, ...]] = ()
 
     def validate_for_block(self, block_size: int, source: str) -> None:
         """Checks that need the block size; raise ``OptionError`` naming the option."""
@@ -63,19 +68,27 @@ class DecodingPolicy(abc.ABC, Generic[ConfigT, StateT]):
         self.mask_token_id = mask_token_id
         self.engine_config = engine_config  # the engine's defaults of config_cls
 
+    # The served model, once bound (``bind``).
+    model: ModelCapabilities = ModelCapabilities(family="no model yet")
+
     @classmethod
-    def partial_block_reason(cls, options: Mapping[str, Any]) -> str | None:
-        """Why this policy, with ``options`` (given ones; absent ones take their defaults),
-        computes part of a block in some forward or unmasks by a rule other than the
-        strategies, or None where every forward computes whole blocks and the commit rule
-        is the strategies' (``combinations.py`` checks it against the model's needs)."""
-        return ("it computes part of a block in some forwards or does not unmask by the "
-                "strategies; use the standard policy")
+    def traits(cls, options: Mapping[str, Any]) -> PolicyTraits:
+        """What the policy does with ``options`` (given ones; absent ones take their
+        defaults); ``capabilities.refusal`` compares it with the model's needs."""
+        return PolicyTraits(partial_blocks=(
+            "it computes part of a block in some forwards or does not unmask by the "
+            "strategies; use the standard policy"))
+
+    def bind(self, model: ModelCapabilities, hf_config: Any, prefix_caching: bool) -> None:
+        """Bind the policy to the served model (at start-up and where the policy runs):
+        records its capabilities, then runs the policy's own checks (``bind_model``)."""
+        self.model = model
+        self.bind_model(hf_config, prefix_caching)
 
     def bind_model(self, hf_config: Any, prefix_caching: bool) -> None:
-        """Check that the policy (with the engine's options) can run on this model and with
-        this prefix-caching setting, and load what it needs for it; raise ``ValueError``
-        naming the problem. Called at start-up and where the policy runs."""
+        """The policy's own checks of the model and the prefix-caching setting (with the
+        engine's options), and what it loads for them; raise ``ValueError`` naming the
+        problem. ``self.model`` is set."""
 
     def begin_step(self, requests: list[DiffusionRequest[ConfigT, StateT]]) -> None:
         """A step starts for these requests (all scheduled ones), before any is planned."""
@@ -117,11 +130,11 @@ class DecodingPolicy(abc.ABC, Generic[ConfigT, StateT]):
         ``batch.filled``); None: no edit."""
         return None
 
-    def rewrites_blocks(self) -> bool:
-        """Whether a step may move tokens within a block (LLaDA2.2's DELETE / SPLIT edits):
-        then the runner asks ``rewrite_block`` for each block instead of
-        ``choose_commits`` / ``choose_edits`` / ``block_ends``."""
-        return False
+    def ranked_proposals(self) -> int:
+        """How many best tokens per position its block rewriting reads (``rewrite_block``;
+        0: it does not rewrite blocks, the runner asks ``choose_commits`` /
+        ``choose_edits`` / ``block_ends`` instead)."""
+        return 0
 
     def rewrite_block(self, request: DiffusionRequest[ConfigT, StateT], old: torch.Tensor,
                       proposals: torch.Tensor, confidence: torch.Tensor,

@@ -69,6 +69,7 @@ from vllm_diffusion.step.hooks import (ForwardStep, LayerHooks, LayerInput, RowS
                                        StepHooks)
 from vllm_diffusion.step.plans import WHOLE_BLOCK, BlockStepPlan, CommitBatch
 from vllm_diffusion.step.request import DiffusionRequest
+from vllm_diffusion.step.slots import SlotTable, block_tokens, slot_index
 
 PAPER_DEPTHS = (1 / 8, 1 / 4)
 VARIATION_EPS = 1e-6  # added to the L2 norm (the authors' code)
@@ -128,28 +129,45 @@ def keep_count(num_computed: int, depth: int, skip_ratio: float, decoded_last_st
 
 @dataclasses.dataclass
 class EsState:
-    """Per request: the current block's caches."""
+    """Per request: where its block stands. Its per-position state is its slot's rows of
+    the policy's ``EsSlotState``."""
 
-    block_size: int
     full_step: bool = True  # this step computes every position through every layer
     kv_lost: bool = True  # no step has computed the block since its KV was (re)allocated
-    # [B] float32 (host): each position's confidence at the last step it reached the logits
-    confidence: torch.Tensor | None = None
-    # [B] bool (host): the positions the previous step decoded
-    decoded_last_step: torch.Tensor | None = None
-    # layer -> [B, hidden] float32 (model device): each position's last output of the layer
-    hidden: dict[int, torch.Tensor] = dataclasses.field(default_factory=dict)
+    started: bool = False  # a block started: the slot's rows hold its decision state
+    # The slot's cached outputs still hold an earlier block's (or request's): zeroed
+    # by the next forward's hooks, before any is read
+    stale_outputs: bool = True
 
-    def own_caches(self) -> None:
-        """Copy the caches out of the step tensor they are rows of (``EsHooks._caches``),
-        so that a request out of the steps does not keep a whole step's caches alive."""
-        self.hidden = {layer: cache.clone() for layer, cache in self.hidden.items()}
 
-    def start_block(self) -> None:
-        self.kv_lost = True
-        self.confidence = torch.zeros(self.block_size)
-        self.decoded_last_step = torch.zeros(self.block_size, dtype=torch.bool)
-        self.hidden = {}
+class EsSlotState:
+    """The decision state of every request, one row per slot (``step.slots``)."""
+
+    def __init__(self, block_size: int) -> None:
+        self.block_size = block_size
+        # [S, B] float32 (host): each position's confidence at the last step it reached
+        # the logits
+        self.confidence = SlotTable((block_size,), torch.float32)
+        # [S, B] bool (host): the positions the previous step decoded
+        self.decoded_last_step = SlotTable((block_size,), torch.bool)
+        # layer -> [S, B, hidden] float32 (model device): each position's last output of
+        # the layer; made at the first forward that reaches the layer
+        self.outputs: dict[int, SlotTable] = {}
+
+    def start_block(self, slot: int) -> None:
+        self.confidence.reset(slot)
+        self.decoded_last_step.reset(slot)
+
+    def outputs_of(self, layer: int, output: torch.Tensor, slots: torch.Tensor
+                   ) -> torch.Tensor:
+        """[S, B, d] the cached outputs of ``layer`` (zeros where none yet), covering
+        ``slots``; output: [n, d] a step's outputs of the layer (its width and device)."""
+        table = self.outputs.get(layer)
+        if table is None:
+            table = self.outputs[layer] = SlotTable(
+                (self.block_size, output.shape[1]), torch.float32,
+                device=output.device)
+        return table.covering(slots)
 
 
 def variation(hidden: torch.Tensor, previous: torch.Tensor) -> torch.Tensor:
@@ -170,15 +188,18 @@ def rank_in_blocks(score: torch.Tensor) -> torch.Tensor:
 class EsHooks(StepHooks):
     """The step's skipping, over every block at once. The scores live on the host as [R, B]
     grids over the blocks' positions (``present``: the positions still in the forward);
-    the layer outputs and caches are gathered as flat entries (``segment``: the block of
-    each). Made only for steps with at least one block."""
+    the layer outputs are gathered as flat entries (``segment``: the block of each), whose
+    cached outputs are read and written in place in the policy's [S, B, d] slot tables at
+    (the block's slot, the position). Made only for steps with at least one block."""
 
     def __init__(self, step: ForwardStep, skip_layers: tuple[int, ...],
-                 mask_token_id: int) -> None:
+                 mask_token_id: int, slot_state: EsSlotState) -> None:
         self.layers = LayerHooks(after_output=skip_layers)
         self.requests = [s for s in step.requests if s.request is not None]
         self.states = [s.request.policy_state for s in self.requests]
-        configs = [s.request.policy_config for s in self.requests]
+        self.slot_state = slot_state
+        requests = [s.request for s in self.requests]
+        configs = [r.policy_config for r in requests]
         skipping = [not state.full_step for state in self.states]
         self.skipping = any(skipping)
         # The entries, flat over the blocks (host): the block of each, its block position
@@ -189,15 +210,22 @@ class EsHooks(StepHooks):
                                                torch.tensor(num_computed))
         self.positions = torch.cat([s.block_positions for s in self.requests])
         self.step_rows = torch.cat([s.block_rows for s in self.requests])
+        self.slot_of_block = slot_index(requests)  # [R] each block's slot
+        stale = [r.slot for r, state in zip(requests, self.states) if state.stale_outputs]
+        for table in slot_state.outputs.values():
+            table.reset(stale)
+        for state in self.states:
+            state.stale_outputs = False
         if not self.skipping:
             return
         # [R, B] (host): positions in the forward, masked, each one's confidence at its
         # last step, and the importance bonus of each (0 without the authors' bonuses)
-        masked = torch.stack([s.request.canvas.masked(mask_token_id) for s in self.requests])
+        masked = block_tokens([r.canvas for r in requests]) == mask_token_id
         self.present = torch.zeros(masked.shape, dtype=torch.bool)
         self.present[self.segment, self.positions] = True
-        self.confidence = torch.stack([state.confidence for state in self.states])
-        decoded = torch.stack([s.decoded_last_step for s in self.states])
+        slots = self.slot_of_block
+        self.confidence = slot_state.confidence.covering(slots)[slots]
+        decoded = slot_state.decoded_last_step.covering(slots)[slots]
         alpha = torch.tensor([c.alpha for c in configs])[:, None]  # [R, 1]
         uses = torch.tensor([c.priority_bonuses for c in configs])[:, None]
         self.alpha_terms = (alpha, 1 - alpha)
@@ -224,29 +252,13 @@ class EsHooks(StepHooks):
         bonus[rows, leftmost[rows]] += LEFTMOST_MASK_BONUS
         return bonus + (decoded & uses & (alpha < 1.0)) * DECODED_BONUS
 
-    def _caches(self, layer: int, output: torch.Tensor) -> torch.Tensor:
-        """[R, B, d] every block's cached outputs of ``layer`` (zeros where none yet), as
-        one tensor whose rows become the blocks' caches (``EsState.hidden``)."""
-        empty = None
-        caches = []
-        for state in self.states:
-            cache = state.hidden.get(layer)
-            if cache is None:
-                if empty is None:
-                    empty = output.new_zeros(state.block_size, output.shape[1])
-                cache = empty
-            caches.append(cache)
-        stacked = torch.stack(caches)
-        for state, cache in zip(self.states, stacked):
-            state.hidden[layer] = cache
-        return stacked
-
     def after_output(self, layer_input: LayerInput) -> RowSelection | None:
         layer, hidden = layer_input.layer, layer_input.hidden
         device = hidden.device
         output = hidden[layer_input.current_rows(self.step_rows).to(device)].float()  # [n, d]
-        caches = self._caches(layer, output)
-        where = (self.segment.to(device), self.positions.to(device))
+        caches = self.slot_state.outputs_of(layer, output, self.slot_of_block)  # [S, B, d]
+        # each entry's (slot, block position): its cached output's place
+        where = (self.slot_of_block[self.segment].to(device), self.positions.to(device))
         if not self.skipping:
             caches[where] = output
             return None
@@ -297,7 +309,7 @@ class EsPolicy(StrategyPolicy[EsConfig, EsState]):
                  engine_config: EsConfig) -> None:
         super().__init__(block_size, mask_token_id, engine_config)
         self.skip_layers: tuple[int, ...] = engine_config.skip_layers or ()
-        self.previous_states: list[EsState] = []  # the requests of the last step's hooks
+        self.slot_state = EsSlotState(block_size)
 
     def bind_model(self, hf_config: Any, prefix_caching: bool) -> None:
         num_layers = hf_config.num_hidden_layers
@@ -315,23 +327,21 @@ class EsPolicy(StrategyPolicy[EsConfig, EsState]):
         self.skip_layers = tuple(layers)
 
     def new_state(self, config: EsConfig) -> EsState:
-        return EsState(self.block_size)
+        return EsState()
 
     def start_block(self, request: EsRequest, resumed: bool) -> None:
         state = request.policy_state
-        if resumed and state.confidence is not None:
-            state.kv_lost = True  # the decision state stays; the KV must be recomputed
-        else:
-            state.start_block()
+        state.kv_lost = True  # a resumed block keeps its decision state; KV is recomputed
+        if not (resumed and state.started):
+            self.slot_state.start_block(request.slot)
+            state.started = state.stale_outputs = True
 
     def plan_step(self, request: EsRequest) -> BlockStepPlan:
         state, config = request.policy_state, request.policy_config
         step = request.canvas.steps
         period = config.refresh_period
-        # A request with a grammar skips nothing: the grammar's walk starts at the
-        # leftmost undecided position and checks the positions right of it.
         state.full_step = (state.kv_lost or config.skip_ratio == 0.0
-                           or request.grammar is not None
+                           or request.keep_all_rows
                            or (period is not None and step % period == 0)
                            or step >= config.steps_for(self.block_size) - 1)
         return WHOLE_BLOCK
@@ -339,30 +349,19 @@ class EsPolicy(StrategyPolicy[EsConfig, EsState]):
     def forward_hooks(self, step: ForwardStep) -> StepHooks | None:
         if not any(s.request is not None for s in step.requests):
             return None
-        hooks = EsHooks(step, self.skip_layers, self.mask_token_id)
-        # The requests of the previous step that are not in this one (preempted, or
-        # waiting for a prefill chunk) take their caches out of that step's tensor.
-        present = {id(state) for state in hooks.states}
-        for state in self.previous_states:
-            if id(state) not in present:
-                state.own_caches()
-        self.previous_states = hooks.states
-        return hooks
+        return EsHooks(step, self.skip_layers, self.mask_token_id, self.slot_state)
 
     def choose_commits(self, batch: CommitBatch) -> torch.Tensor:
         """The strategy's commits among computed positions; then records every computed
         position's confidence (0 where it was already decoded, or is decoded now) and the
         decoded positions for the next step."""
         commits = super().choose_commits(batch)
-        states = [r.policy_state for r in batch.requests]
+        slots = slot_index(batch.requests)  # [R]
+        confidence = self.slot_state.confidence.covering(slots)  # [S, B]
         computed = batch.confidence > float("-inf")  # [R, B]
         observed = torch.where(batch.masked & ~commits, batch.confidence, 0.0)
-        updated = torch.where(computed, observed, torch.stack([s.confidence for s in states]))
-        for state, confidence, decoded in zip(states, updated, commits):
-            state.confidence = confidence
-            state.decoded_last_step = decoded.clone()
-            state.kv_lost = False
+        confidence[slots] = torch.where(computed, observed, confidence[slots])
+        self.slot_state.decoded_last_step.covering(slots)[slots] = commits
+        for request in batch.requests:
+            request.policy_state.kv_lost = False
         return commits
-
-    def on_block_complete(self, request: EsRequest) -> None:
-        request.policy_state.hidden = {}

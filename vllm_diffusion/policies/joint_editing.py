@@ -52,23 +52,6 @@ class EditTokens:
     split: int
 
 
-def edit_tokens_of(hf_config) -> EditTokens | None:
-    """The DELETE and SPLIT ids of a LLaDA2.2 checkpoint (``expert_capacity > 0``); None
-    for the other models. Raises ``ValueError`` naming a missing or clashing id."""
-    if not (getattr(hf_config, "expert_capacity", 0) or 0):
-        return None
-    delete = getattr(hf_config, "delete_token_id", None)
-    split = getattr(hf_config, "split_token_id", None)
-    vocab = hf_config.vocab_size
-    for name, value in (("delete_token_id", delete), ("split_token_id", split)):
-        if not isinstance(value, int) or not 0 <= value < vocab:
-            raise ValueError(f"a LLaDA2.2 checkpoint (expert_capacity > 0) needs "
-                             f"config.json '{name}' in [0, {vocab}), got {value!r}")
-    if delete == split:
-        raise ValueError(f"delete_token_id and split_token_id must differ, both {delete}")
-    return EditTokens(delete, split)
-
-
 @dataclasses.dataclass
 class JointBlockState:
     """What the joint loop keeps for one block between its steps."""

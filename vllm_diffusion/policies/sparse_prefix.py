@@ -19,8 +19,10 @@ starts at position N:
 The selection is made anew for every block. The committed KV pages themselves stay (they
 are shared through vLLM's prefix cache and must stay exact): only the block's denoising
 rows attend sparsely; prefill and commit rows attend densely, so committed KV is exact.
-The kept-index lists live in the request's policy state ([L, H_sel, k] int64 on the model
-device) and are freed when the block completes or the request ends.
+The attention of each layer returns what it selected through the hooks
+(``SparsePrefixHooks.after_key_scoring``), which keep it in the request's policy state
+([L, H_sel, k] int64 on the model device); the lists are freed when the block completes or
+the request ends.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ import torch
 from vllm_diffusion.options import OptionError, Rule, option
 from vllm_diffusion.policies.unmasking import StrategyConfig, StrategyPolicy
 from vllm_diffusion.step.hooks import ForwardStep, LayerHooks, LayerInput, StepHooks
-from vllm_diffusion.step.keys import KeyScoring, KeySelection, RowSplit
+from vllm_diffusion.step.keys import KeyScoring, KeySelection, RowSplit, SelectedPrefix
 from vllm_diffusion.step.request import DiffusionRequest
 
 
@@ -75,7 +77,11 @@ class SparsePrefixHooks(StepHooks):
                            for s in step.requests]
         self.prefix_lens = [0 if s.request is None else s.request.canvas.start
                             for s in step.requests]
-        self.scoring = scoring
+        # The requests that select at every layer this step, by index in the step
+        self.scoring_requests = {index: request for index, request, _ in scoring}
+        self.scoring = tuple(KeyScoring(index, keep, request.policy_config.pool_kernel,
+                                        request.policy_config.per_kv_head)
+                             for index, request, keep in scoring)
         self.sparse = [index for index, _ in sparse]
         # The same rows attend sparsely at every layer: split them once for the step.
         self.split = RowSplit.of([0] + [s.rows.stop for s in step.requests], self.block_rows,
@@ -91,19 +97,15 @@ class SparsePrefixHooks(StepHooks):
 
     def select_keys(self, layer_input: LayerInput) -> KeySelection:
         layer = layer_input.layer
-        scoring = [KeyScoring(index, keep, request.policy_config.pool_kernel,
-                                 request.policy_config.per_kv_head,
-                                 _recorder(request.policy_state, layer))
-                   for index, request, keep in self.scoring]
         return KeySelection(self.block_rows, self.prefix_lens, self.sparse,
-                              None if self.kept is None else self.kept[:, layer], scoring,
-                              self.split)
+                            None if self.kept is None else self.kept[:, layer], self.scoring,
+                            self.split)
 
-
-def _recorder(state: SparsePrefixState, layer: int):
-    def record(selected: torch.Tensor) -> None:
-        state.kept[layer] = selected
-    return record
+    def after_key_scoring(self, layer: int, selected: SelectedPrefix) -> None:
+        """The layer's selection for each request that selects this step: kept for the
+        rest of its block."""
+        for index, request in self.scoring_requests.items():
+            request.policy_state.kept[layer] = selected[index]
 
 
 class SparsePrefixPolicy(StrategyPolicy[SparsePrefixConfig, SparsePrefixState]):

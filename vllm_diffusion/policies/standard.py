@@ -10,6 +10,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from vllm_diffusion.capabilities import PolicyTraits
 from vllm_diffusion.policies.chunk_window import ChunkConfig, ChunkWindow
 from vllm_diffusion.policies.unmasking import StrategyPolicy
 from vllm_diffusion.step.plans import BlockStepPlan
@@ -28,11 +29,11 @@ class StandardPolicy(StrategyPolicy[StandardConfig, ChunkWindow]):
     config_cls: ClassVar[type] = StandardConfig
 
     @classmethod
-    def partial_block_reason(cls, options: Mapping[str, Any]) -> str | None:
-        if options.get("chunk_size") is not None or options.get("chunk_reuse", False):
-            return ("options 'chunk_size' and 'chunk_reuse' compute part of a block in a "
-                    "forward; remove them")
-        return None
+    def traits(cls, options: Mapping[str, Any]) -> PolicyTraits:
+        chunked = options.get("chunk_size") is not None or options.get("chunk_reuse", False)
+        return dataclasses.replace(super().traits(options), partial_blocks=(
+            "options 'chunk_size' and 'chunk_reuse' compute part of a block in a forward; "
+            "remove them") if chunked else None)
 
     def new_state(self, config: StandardConfig) -> ChunkWindow:
         return ChunkWindow(self.block_size)

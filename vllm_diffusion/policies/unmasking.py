@@ -27,14 +27,16 @@ choice and LLaDA2.1 token editing; what to compute is each policy's own).
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from typing import Any, ClassVar, Generic, TypeVar
 
 import torch
 
+from vllm_diffusion.capabilities import PolicyTraits
 from vllm_diffusion.options import OptionError, Rule, option
 from vllm_diffusion.policies.base import DecodingPolicy, PolicyConfig
-from vllm_diffusion.policies.joint_editing import (EditTokens, JointBlockState, JointStep,
-                                                   edit_tokens_of, joint_step)
+from vllm_diffusion.policies.joint_editing import (ALTERNATIVES, EditTokens, JointBlockState,
+                                                   JointStep, joint_step)
 from vllm_diffusion.step.plans import CommitBatch, EditBatch
 from vllm_diffusion.step.request import DiffusionRequest
 
@@ -48,6 +50,7 @@ class StrategyConfig(PolicyConfig):
 
     engine_only: ClassVar[tuple[str, ...]] = ("max_post_steps_limit",
                                               "max_steps_per_block_limit")
+    token_moving_options: ClassVar[tuple[str, ...]] = ("max_steps_per_block",)
 
     strategy: str = option("low_confidence_dynamic", Rule(str, choices=STRATEGIES))
     threshold: float = option(0.9, Rule(float, low=0.0, high=1.0))
@@ -65,7 +68,8 @@ class StrategyConfig(PolicyConfig):
     # Engine-wide: the largest 'max_post_steps' a request may ask for (each post step is
     # a forward of the block, so the option multiplies a request's work).
     max_post_steps_limit: int = option(64, Rule(int, low=0, high=4096))
-    # LLaDA2.2: the hard cap on a block's denoising steps (published 1000), at most the
+    # Where tokens move (the rewriting loop): the hard cap on a block's denoising steps
+    # (LLaDA2.2's published 1000), at most the
     # engine-wide 'max_steps_per_block_limit'.
     max_steps_per_block: int = option(1000, Rule(int, low=1, high=100000))
     max_steps_per_block_limit: int = option(1000, Rule(int, low=1, high=100000))
@@ -218,28 +222,31 @@ class StrategyPolicy(DecodingPolicy[StrategyConfigT, StateT],
     what to compute is each policy's own), with LLaDA2.1 token editing where a request
     asks for it (``editing_threshold``)."""
 
-    # LLaDA2.2's DELETE / SPLIT ids when bound to a LLaDA2.2 checkpoint: its blocks then
-    # decode by the joint loop (``joint_editing.py``)
-    edit_tokens: EditTokens | None = None
+    @classmethod
+    def traits(cls, options: Mapping[str, Any]) -> PolicyTraits:
+        """Blocks whose tokens move decode by the rewriting loop (``joint_editing``),
+        which unmasks by its own rule."""
+        strategy = options.get("strategy", "low_confidence_dynamic")
+        return dataclasses.replace(super().traits(options), fixed_positions_only=(
+            None if strategy == "low_confidence_dynamic" else
+            "option 'strategy': the rewriting loop unmasks by its own rule (its threshold "
+            "and quota schedule); remove it"))
 
-    def bind_model(self, hf_config: Any, prefix_caching: bool) -> None:
-        self.edit_tokens = edit_tokens_of(hf_config)
-
-    def rewrites_blocks(self) -> bool:
-        return self.edit_tokens is not None
+    def ranked_proposals(self) -> int:
+        return ALTERNATIVES if self.model.moves_tokens else 0
 
     def rewrite_block(self, request: DiffusionRequest[StrategyConfigT, StateT],
                       old: torch.Tensor, proposals: torch.Tensor, confidence: torch.Tensor,
                       ranked: torch.Tensor) -> JointStep:
         canvas, config = request.canvas, request.policy_config
-        if canvas.joint is None:
-            canvas.joint = JointBlockState.start(canvas.tokens, self.mask_token_id,
+        if canvas.rewrite_state is None:
+            canvas.rewrite_state = JointBlockState.start(canvas.tokens, self.mask_token_id,
                                                  config.steps_for(self.block_size))
-        return joint_step(canvas.joint, old, proposals, confidence, ranked, canvas.steps,
-                          config, self.mask_token_id, self.edit_tokens)
+        return joint_step(canvas.rewrite_state, old, proposals, confidence, ranked, canvas.steps,
+                          config, self.mask_token_id, EditTokens(*self.model.edit_tokens))
 
     def edits_tokens(self, request: DiffusionRequest[StrategyConfigT, StateT]) -> bool:
-        return (self.edit_tokens is not None
+        return (self.model.moves_tokens
                 or request.policy_config.editing_threshold is not None)
 
     def choose_edits(self, batch: EditBatch) -> torch.Tensor | None:

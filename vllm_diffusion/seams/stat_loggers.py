@@ -6,8 +6,9 @@ switch on the Model Runner V2 diffusion path. For the plugin's models:
 - Prometheus: ``DiffusionPrometheusStatLogger``, registered through vLLM's stat-logger
   plugin entry point (``vllm.stat_logger_plugins``), exports the counters under vLLM's
   diffusion names (``vllm:diffusion_num_denoising_steps`` ...), which ``vllm bench serve``
-  reads, plus the plugin's own (positions after eviction, positions per layer, decoded by
-  ``metrics.plugin_counters``). For other models it is vLLM's Prometheus logger.
+  reads, plus the plugin's own (positions after eviction, positions per layer, ...,
+  decoded by ``metrics.decode_counters``). For other models it is vLLM's Prometheus
+  logger.
 - Logging: a plugin can add loggers but not replace vLLM's default logging one, so
   ``LoggingStatLogger.__init__`` is wrapped to log the counters as diffusion steps.
 """
@@ -18,7 +19,7 @@ from vllm.v1.metrics import loggers
 from vllm.v1.metrics.utils import create_metric_per_engine
 from vllm.v1.spec_decode.metrics import SpecDecodingLogging, SpecDecodingProm
 
-from vllm_diffusion.metrics import plugin_counters
+from vllm_diffusion.metrics import decode_counters
 from vllm_diffusion.seams._wrapping import first_wrap, serves_diffusion_model
 
 # vLLM 0.32 labels every per-engine metric with these.
@@ -65,7 +66,7 @@ class DiffusionSpecDecodingProm(SpecDecodingProm):
 
     def observe(self, spec_decoding_stats, engine_idx: int = 0) -> None:
         super().observe(spec_decoding_stats, engine_idx)
-        counters = plugin_counters(spec_decoding_stats)
+        counters = decode_counters(spec_decoding_stats)
         if counters is None:
             return
         self.later_layers[engine_idx].inc(counters.positions_after_eviction)

@@ -1,8 +1,9 @@
 """What a step's forward hooks see and answer.
 
 The model's layers call the hook points a policy declares (``LayerHooks``) with a
-``LayerInput``; a hook answers with the rows that continue (``RowSelection``) or, inside
-attention, with the keys each request's block rows see (``keys.KeySelection``).
+``LayerInput``; a hook answers with the rows that continue (``RowSelection``) or with the
+keys each request's block rows see in the layer's attention (``keys.KeySelection``). What
+that attention selects for the policy comes back through ``after_key_scoring``, after it.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import dataclasses
 
 import torch
 
-from vllm_diffusion.step.keys import KeySelection
+from vllm_diffusion.step.keys import KeySelection, SelectedPrefix
 from vllm_diffusion.step.request import DiffusionRequest
 
 
@@ -97,3 +98,8 @@ class StepHooks:
     def select_keys(self, layer_input: LayerInput) -> KeySelection | None:
         """The layer's key selection; None: every request attends densely."""
         return None
+
+    def after_key_scoring(self, layer: int, selected: SelectedPrefix) -> None:
+        """After the attention of a layer whose key selection named scoring requests
+        (``KeySelection.scoring``): the prefix positions that attention selected for each
+        of them."""

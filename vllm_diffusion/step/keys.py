@@ -1,21 +1,27 @@
 """Key selection: which committed-prefix keys a request's block rows attend to at a layer.
 
-A policy's ``select_keys`` hook returns a ``KeySelection`` per layer; the attention backend
-honours it (``attention/key_selection.py``): requests in ``sparse`` attend, with their block
-rows, to their kept prefix positions plus their block; requests in ``scoring`` attend
-densely and select their kept positions from this layer's block queries; every other row
-attends densely.
+A policy's ``select_keys`` hook returns a ``KeySelection`` per layer; the step's run hands
+it to that layer's attention in the layer's view, and the attention honours it
+(``attention/key_selection.py``): requests in ``sparse`` attend, with their block rows, to
+their kept prefix positions plus their block; requests in ``scoring`` attend densely and
+select their kept positions from this layer's block queries; every other row attends
+densely. What the attention selects for the scoring requests (``SelectedPrefix``) goes back
+to the policy through the hooks (``StepHooks.after_key_scoring``), after that attention.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Sequence
 
 import torch
 
+# Request index in the step -> the prefix positions its block's queries selected at a
+# layer: [H_sel, keep] int64, ascending (H_sel: 1, or H_kv with ``per_kv_head``).
+SelectedPrefix = dict[int, torch.Tensor]
 
-@dataclasses.dataclass
+
+@dataclasses.dataclass(frozen=True)
 class KeyScoring:
     """A request whose block queries select its kept prefix positions at this layer (its
     attention is dense this step)."""
@@ -24,10 +30,9 @@ class KeyScoring:
     keep: int  # positions kept, at most the prefix length
     pool_kernel: int  # odd
     per_kv_head: bool
-    record: Callable[[torch.Tensor], None]  # receives [H_sel, keep] int64, ascending
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class RowSplit:
     """A step's rows split between sparse attention (block rows of the sparse requests)
     and dense attention (every other row), with each side's request offsets."""
@@ -41,8 +46,8 @@ class RowSplit:
     dense_request_index: torch.Tensor  # [len(dense_requests)]
 
     @classmethod
-    def of(cls, query_start_loc: list[int], block_rows: list[int], sparse: list[int],
-           device: torch.device) -> RowSplit:
+    def of(cls, query_start_loc: Sequence[int], block_rows: Sequence[int],
+           sparse: Sequence[int], device: torch.device) -> RowSplit:
         ends = query_start_loc[1:]
         first_sparse = {r: ends[r] - block_rows[r] for r in sparse}
         sparse_rows = [i for r in sparse for i in range(first_sparse[r], ends[r])]
@@ -57,22 +62,22 @@ class RowSplit:
                 dense_rows.extend(range(start, end))
                 dense_loc.append(dense_loc[-1] + end - start)
         return cls(torch.tensor(sparse_rows, device=device), sparse_loc,
-                   torch.tensor(sparse, device=device),
+                   torch.tensor(list(sparse), device=device),
                    torch.tensor(dense_rows, device=device) if dense_rows else None,
                    dense_loc, dense_requests, torch.tensor(dense_requests, device=device))
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class KeySelection:
     """One layer's key selection for a step: which committed-prefix keys the block rows of
     some requests attend to (kept-index lists), and which requests select theirs at this
-    layer; lists are indexed like the step's requests."""
+    layer; sequences are indexed like the step's requests."""
 
-    block_rows: list[int]  # rows at the end of each request's rows that belong to its block
-    prefix_lens: list[int]  # each request's block start
-    sparse: list[int]  # requests whose block rows attend to kept prefix positions only
+    block_rows: Sequence[int]  # rows at the end of each request's rows in its block
+    prefix_lens: Sequence[int]  # each request's block start
+    sparse: Sequence[int]  # requests whose block rows attend to kept prefix positions only
     kept_index: torch.Tensor | None  # [len(sparse), H_kv, K] int64 (model device), -1 pad
-    scoring: list[KeyScoring]
-    # the rows' split, the same at every layer of a step (made once when the step starts
-    # it; else at the first layer that needs it)
+    scoring: Sequence[KeyScoring]
+    # the rows' split, the same at every layer of a step: made once by the hooks that
+    # select; None: the attention splits the rows for its own call
     split: RowSplit | None = None

@@ -1,12 +1,13 @@
 """The diffusion state of one request, kept by the runner from its first step to its end.
 
 ``DiffusionRequest`` holds everything the engine knows about a request beyond vLLM's own
-bookkeeping: its policy options and policy state, the canvas of its current block (with
-its denoising-step counters), and the decode step of every emitted token (its step map).
-The runner creates it at the request's first step, keeps it across preemption (a resumed
-request continues its block, and the policy is told that the block's KV was lost), and
-drops it when the request finishes. It is generic in the policy's config and state types,
-so a policy's methods name exactly what they read.
+bookkeeping: its policy options and policy state, its slot (``step.slots``), the canvas of
+its current block (with its denoising-step counters), and the decode step of every emitted
+token (its step map). The runner creates it at the request's first step, keeps it (and its
+slot) across preemption (a resumed request continues its block, and the policy is told
+that the block's KV was lost), and drops it, giving its slot back, when the request
+finishes, fails or is aborted. It is generic in the policy's config and state types, so a
+policy's methods name exactly what they read.
 """
 
 from __future__ import annotations
@@ -16,40 +17,66 @@ from typing import Any, Generic, TypeVar
 
 import torch
 
+from vllm_diffusion.step.slots import BlockSlots
 
-@dataclasses.dataclass
+
 class BlockCanvas:
-    """The current block of one request, as the runner denoises it."""
+    """The current block of one request, as the runner denoises it: row ``slot`` of
+    ``slots`` (its tokens and decode steps, written in place) and the block's counters.
 
-    start: int  # absolute position of the block's first token
-    tokens: torch.Tensor  # [B] int64 (host), mask_token_id where undecided
-    steps: int = 0  # denoising steps taken on this block
-    post_steps: int = 0  # of them, steps that began with no masked position (editing)
-    edits: int = 0  # filled positions given another token in this block (editing)
-    first_step: int = 0  # the request's denoising steps before this block
-    # [B] int64 (host): the request's denoising step (0-based) that last changed each
-    # position (unmasked or edited it); -1 where it is fixed (prompt tail) or still masked
-    decoded_at: torch.Tensor | None = None
-    # [B, 2 + 2k] float64 (host): each position's logprob columns from the step that last
-    # changed it (``worker/logprobs.py``); None unless the request asks for logprobs
-    logprobs: torch.Tensor | None = None
-    # LLaDA2.2's joint-decoding state of the block (``policies.joint_editing``), or None
-    joint: Any = None
-    # The block ended on a step that computed all of it and changed nothing (a stable
-    # end of token editing): that forward's KV is the committed KV, its commit reuses it
-    final_kv: bool = False
+    ``BlockCanvas(start, tokens)`` makes a canvas on slots of its own (outside a runner);
+    the runner's canvases share its ``BlockSlots``, all of a request's blocks on one row.
+    """
 
-    def __post_init__(self) -> None:
-        if self.decoded_at is None:
-            self.decoded_at = torch.full_like(self.tokens, -1)
+    def __init__(self, start: int, tokens: torch.Tensor | None = None, *,
+                 slots: BlockSlots | None = None, slot: int | None = None,
+                 first_step: int = 0) -> None:
+        if slots is None:
+            slots = BlockSlots(len(tokens))
+            slot = slots.acquire()
+        self.slots, self.slot = slots, slot
+        self.start = start  # absolute position of the block's first token
+        if tokens is not None:
+            self.tokens.copy_(tokens)
+        self.decoded_at.fill_(-1)
+        self.steps = 0  # denoising steps taken on this block
+        self.post_steps = 0  # of them, steps that began with no masked position (editing)
+        self.edits = 0  # filled positions given another token in this block (editing)
+        self.first_step = first_step  # the request's denoising steps before this block
+        # [B, 2 + 2k] float64 (host): each position's logprob columns from the step that
+        # last changed it (``worker/logprobs.py``); None unless the request asks for them
+        self.logprobs: torch.Tensor | None = None
+        # the state a policy's block rewriting keeps for the block (where the model's edits
+        # move tokens: ``DecodingPolicy.rewrite_block``), or None
+        self.rewrite_state: Any = None
+        # The block ended on a step that computed all of it and changed nothing (a stable
+        # end of token editing): that forward's KV is the committed KV, its commit reuses it
+        self.final_kv = False
+
+    @property
+    def tokens(self) -> torch.Tensor:
+        """[B] int64 (host), mask_token_id where undecided: the slot's row (a view)."""
+        return self.slots.tokens[self.slot]
+
+    @property
+    def decoded_at(self) -> torch.Tensor:
+        """[B] int64 (host): the request's denoising step (0-based) that last changed each
+        position (unmasked or edited it); -1 where it is fixed (prompt tail) or still
+        masked. The slot's row (a view)."""
+        return self.slots.decoded_at[self.slot]
+
+    def __repr__(self) -> str:
+        return (f"BlockCanvas(start={self.start}, slot={self.slot}, steps={self.steps}, "
+                f"tokens={self.tokens.tolist()})")
 
     def commit(self, positions: torch.Tensor, tokens: torch.Tensor,
                began_unmasked: bool = False, logprobs: torch.Tensor | None = None) -> None:
         """One step done: ``positions`` ([B] bool) were unmasked or edited; ``tokens``
         ([B] int64) is the block after it (the old tokens with the proposals at
-        ``positions``); ``began_unmasked``: the step started with no masked position;
-        ``logprobs``: [B, C] this step's logprob columns, kept where ``positions``."""
-        self.tokens = tokens
+        ``positions``), copied into the slot's row; ``began_unmasked``: the step started
+        with no masked position; ``logprobs``: [B, C] this step's logprob columns, kept
+        where ``positions``."""
+        self.tokens.copy_(tokens)
         if logprobs is not None:
             if self.logprobs is None:
                 self.logprobs = torch.zeros(len(tokens), logprobs.shape[1], dtype=torch.float64)
@@ -63,9 +90,9 @@ class BlockCanvas:
         ``source[j]`` ([B] int64; -1 for a new mask); per-position records move along."""
         moved = source >= 0
         origin = source.clamp(min=0)
-        self.tokens = tokens
-        self.decoded_at = torch.where(moved, self.decoded_at[origin],
-                                      torch.full_like(self.decoded_at, -1))
+        decoded_at = self.decoded_at
+        decoded_at.copy_(torch.where(moved, decoded_at[origin], -1))
+        self.tokens.copy_(tokens)
         if self.logprobs is not None:
             self.logprobs = torch.where(moved[:, None], self.logprobs[origin],
                                         torch.zeros_like(self.logprobs))
@@ -101,20 +128,30 @@ class DiffusionRequest(Generic[ConfigT, StateT]):
     # the request's structured-output matcher (vLLM's ``StructuredOutputGrammar``), its
     # state the emitted output (``worker/grammar.py``); None without structured output
     grammar: Any = None
+    # The runner's mark that no policy may skip or evict this request's rows (set for a
+    # request with a grammar, whose walk reads every position right of the leftmost
+    # undecided one)
+    keep_all_rows: bool = False
     bounds: OutputBounds = OutputBounds()
     # consecutive denoising steps that wrote no token and ended no block (the runner ends
     # the request at the engine's limit)
     steps_without_progress: int = 0
+    # The runner's block slots and the request's slot in them (``step.slots``): its
+    # canvases are that row, and the policies' slot tables hold its per-position state
+    # there. None for a request made apart from a runner (its canvases on slots of their own)
+    block_slots: BlockSlots | None = None
+    slot: int | None = None
 
     def block_for(self, block_start: int, fixed: list[int], block_size: int,
                   mask_token_id: int) -> BlockCanvas:
         """The canvas of the block starting at ``block_start`` (``fixed``: its known
-        tokens), made anew when the request moved to that block."""
+        tokens), made anew (on the request's slot) when the request moved to that block."""
         canvas = self.canvas
         if canvas is not None and canvas.start == block_start:
             return canvas
         tokens = torch.full((block_size,), mask_token_id, dtype=torch.long)
         tokens[:len(fixed)] = torch.tensor(fixed, dtype=torch.long)
         first_step = canvas.first_step + canvas.steps if canvas is not None else 0
-        self.canvas = BlockCanvas(block_start, tokens, first_step=first_step)
+        self.canvas = BlockCanvas(block_start, tokens, slots=self.block_slots, slot=self.slot,
+                                  first_step=first_step)
         return self.canvas

@@ -39,7 +39,7 @@ from typing import Any
 
 import torch
 
-ROLLBACK_BACKENDS = ("xgrammar", "guidance")  # backends whose matchers can roll back
+from vllm_diffusion.config import ROLLBACK_BACKENDS
 
 
 class GrammarCompiler:

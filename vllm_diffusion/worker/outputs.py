@@ -74,8 +74,8 @@ class DiffusionStats:
     # SPLIT writes (also on masks), which are counted on their own too
     tokens_edited: int = 0
     edited_blocks_completed: int = 0  # completed blocks with at least one edit
-    tokens_deleted: int = 0  # DELETE writes (LLaDA2.2 editing)
-    tokens_split: int = 0  # SPLIT writes (LLaDA2.2 editing)
+    tokens_deleted: int = 0  # DELETE writes (edits that move tokens)
+    tokens_split: int = 0  # SPLIT writes (edits that move tokens)
     bucket_padding_rows: int = 0  # rows added by 'diffusion_row_buckets' after drops
     commits_reused: int = 0  # blocks committed with their last forward's KV (stable end)
     grammar_fills: int = 0  # structured output: matcher bitmask fills

@@ -30,7 +30,7 @@ from vllm.v1.request import RequestStatus
 from vllm.v1.spec_decode.metrics import SpecDecodingStats
 
 from vllm_diffusion.config import STEP_MAP_KEY, engine_config_from_vllm
-from vllm_diffusion.metrics import StepCounters, encode
+from vllm_diffusion.metrics import StepCounters, encode_counters
 from vllm_diffusion.worker.geometry import BlockGeometry
 from vllm_diffusion.worker.outputs import DiffusionRunnerOutput, require_diffusion_output
 
@@ -130,8 +130,8 @@ class BlockDiffusionScheduler(Scheduler):
 
     def _diffusion_step_stats(self, runner_output: DiffusionRunnerOutput) -> SpecDecodingStats:
         """This step's work, in the counters vLLM reports for diffusion models
-        (``metrics.encode``)."""
-        return encode(StepCounters(
+        (``metrics.encode_counters``)."""
+        return encode_counters(StepCounters(
             denoised_blocks=runner_output.denoised_blocks,
             block_positions=runner_output.block_positions[0],
             positions_after_eviction=runner_output.block_positions[1],

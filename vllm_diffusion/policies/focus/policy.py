@@ -31,6 +31,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from vllm_diffusion.capabilities import PolicyTraits
 from vllm_diffusion.kernels.selection import CONTEXT_RULES
 from vllm_diffusion.options import OptionError, Rule, option
 from vllm_diffusion.policies.block_cache import IntraBlockCache
@@ -39,6 +40,7 @@ from vllm_diffusion.policies.unmasking import STRATEGIES, StrategyConfig, Strate
 from vllm_diffusion.step.hooks import ForwardStep, StepHooks
 from vllm_diffusion.step.plans import WHOLE_BLOCK, BlockStepPlan
 from vllm_diffusion.step.request import DiffusionRequest
+from vllm_diffusion.step.slots import SlotTable
 
 DECODE_RATES = ("across_blocks", "per_block")
 
@@ -75,15 +77,14 @@ class FocusConfig(StrategyConfig):
 
 @dataclasses.dataclass
 class FocusRequestState:
-    """FOCUS state of one request; the block-level parts reset at each block."""
+    """FOCUS state of one request; the block-level parts reset at each block. Which of
+    its block's positions were ever processed is its slot's row of the policy's
+    ``ever_processed`` table."""
 
     block_size: int
     decoded_steps: int = 0
     decoded_tokens: int = 0
     cache: IntraBlockCache | None = None
-    # [B] bool: positions that went through every layer at some step of this block (so
-    # their KV is valid at all layers)
-    ever_processed: torch.Tensor | None = None
     # [B] bool: with commit='delayed', the positions of the block completed last that its
     # commit recomputes (the intra-block cache's unfrozen ones), until the commit is planned
     commit_recompute: torch.Tensor | None = None
@@ -93,7 +94,6 @@ class FocusRequestState:
         if not resumed and config.decode_rate == "per_block":
             self.decoded_steps = self.decoded_tokens = 0
         self.cache = IntraBlockCache(self.block_size)
-        self.ever_processed = torch.zeros(self.block_size, dtype=torch.bool)
 
     @property
     def mean_decoded(self) -> float:
@@ -103,7 +103,6 @@ class FocusRequestState:
     def after_step(self, masked_before: torch.Tensor, computed: torch.Tensor,
                    num_decoded: int, config: FocusConfig) -> None:
         self.cache.update(masked_before)
-        self.ever_processed |= computed
         if num_decoded or config.decode_rate == "across_blocks":
             self.decoded_steps += 1
             self.decoded_tokens += num_decoded
@@ -119,20 +118,23 @@ class FocusPolicy(StrategyPolicy[FocusConfig, FocusRequestState]):
     config_cls: ClassVar[type] = FocusConfig
 
     @classmethod
-    def partial_block_reason(cls, options: Mapping[str, Any]) -> str | None:
-        if (options.get("evict", True) or options.get("intra_block_cache", True)
-                or options.get("commit", "exact") != "exact"):
-            return ("it computes whole blocks only with its full budget: set 'evict' and "
-                    "'intra_block_cache' to false and keep commit='exact'")
-        return None
+    def traits(cls, options: Mapping[str, Any]) -> PolicyTraits:
+        partial = (options.get("evict", True) or options.get("intra_block_cache", True)
+                   or options.get("commit", "exact") != "exact")
+        return dataclasses.replace(super().traits(options), partial_blocks=(
+            "it computes whole blocks only with its full budget: set 'evict' and "
+            "'intra_block_cache' to false and keep commit='exact'") if partial else None,
+            skips_rows=bool(options.get("evict", True)))
 
     def __init__(self, block_size: int, mask_token_id: int,
                  engine_config: FocusConfig) -> None:
         super().__init__(block_size, mask_token_id, engine_config)
         self.eviction_layer = engine_config.eviction_layer
+        # [S, B] bool (host): the positions of each slot's block that went through every
+        # layer at some step of the block (so their KV is valid at all layers)
+        self.ever_processed = SlotTable((block_size,), torch.bool)
 
     def bind_model(self, hf_config: Any, prefix_caching: bool) -> None:
-        super().bind_model(hf_config, prefix_caching)  # LLaDA2.2's edit tokens
         num_layers = hf_config.num_hidden_layers
         if num_layers <= self.eviction_layer:
             raise ValueError(f"the focus policy evicts after layer {self.eviction_layer} "
@@ -148,6 +150,7 @@ class FocusPolicy(StrategyPolicy[FocusConfig, FocusRequestState]):
 
     def start_block(self, request: FocusRequest, resumed: bool) -> None:
         request.policy_state.start_block(resumed, request.policy_config)
+        self.ever_processed.reset(request.slot)
 
     def plan_step(self, request: FocusRequest) -> BlockStepPlan:
         state, config = request.policy_state, request.policy_config
@@ -159,14 +162,16 @@ class FocusPolicy(StrategyPolicy[FocusConfig, FocusRequestState]):
 
     def forward_hooks(self, step: ForwardStep) -> StepHooks | None:
         if not any(s.request is not None and s.request.policy_config.evict
-                   and s.request.grammar is None for s in step.requests):
+                   and not s.request.keep_all_rows for s in step.requests):
             return None
-        return FocusStepHooks(step, self.eviction_layer, self.mask_token_id)
+        return FocusStepHooks(step, self.eviction_layer, self.mask_token_id,
+                              self.ever_processed)
 
     def after_step(self, request: FocusRequest, masked_before: torch.Tensor,
                    computed: torch.Tensor, num_decoded: int) -> None:
         request.policy_state.after_step(masked_before, computed, num_decoded,
                                         request.policy_config)
+        self.ever_processed.covering(request.slot)[request.slot] |= computed
 
     def on_block_complete(self, request: FocusRequest) -> None:
         state = request.policy_state

@@ -1,0 +1,104 @@
+"""A model family's declared needs against a policy's declared traits: one check
+(``capabilities.refusal``) at start-up and per request, stated on the declarations only."""
+
+from __future__ import annotations
+
+import pytest
+
+from vllm_diffusion.capabilities import (ModelCapabilities, model_refusal, refusal,
+                                         request_refusal)
+from vllm_diffusion.models.configs import (LLaDA2MoeConfig, SDARConfig, model_capabilities)
+from vllm_diffusion.policies import POLICIES
+
+FIXED = ModelCapabilities(family="Fixed")
+MOVING = ModelCapabilities(family="Moving", edit_tokens=(10, 11), routing_block_size=4)
+
+
+def test_a_model_with_fixed_positions_takes_every_policy_with_any_options():
+    for name, policy in POLICIES.items():
+        assert refusal(FIXED, policy, {}) is None, name
+    assert refusal(FIXED, POLICIES["standard"], {"chunk_size": 2, "chunk_reuse": True}) is None
+
+
+def test_options_of_the_rewriting_loop_are_refused_only_where_tokens_stay_put():
+    standard = POLICIES["standard"]
+    message = refusal(FIXED, standard, {"max_steps_per_block": 10})
+    assert message is not None and "'max_steps_per_block'" in message and "Fixed" in message
+    # resolved options carry every field: only what the user gave is refused
+    assert refusal(FIXED, standard, {"max_steps_per_block": 1000}, given={}) is None
+    assert refusal(MOVING, standard, {"max_steps_per_block": 10}) is None
+
+
+def test_whole_block_routing_refuses_policies_that_compute_part_of_a_block():
+    for name in ("es", "elastic", "sparse_prefix", "ada"):
+        message = refusal(MOVING, POLICIES[name], {})
+        assert message.startswith(f"the {name} policy cannot serve Moving:"), message
+    assert "'chunk_size' and 'chunk_reuse'" in refusal(MOVING, POLICIES["standard"],
+                                                       {"chunk_reuse": True})
+    focus = POLICIES["focus"]
+    assert "full budget" in refusal(MOVING, focus, {"evict": False})
+    assert refusal(MOVING, focus, {"evict": False, "intra_block_cache": False}) is None
+    assert refusal(MOVING, POLICIES["standard"], {}) is None
+
+
+def test_the_block_size_holds_whole_routing_blocks():
+    standard = POLICIES["standard"]
+    assert "multiple of it" in refusal(MOVING, standard, {}, block_size=6)
+    assert refusal(MOVING, standard, {}, block_size=8) is None
+    assert refusal(FIXED, standard, {}, block_size=6) is None
+
+
+def test_moving_tokens_need_the_rewriting_loops_own_unmasking_rule():
+    message = refusal(MOVING, POLICIES["standard"], {"strategy": "sequential"})
+    assert "whose edits move tokens" in message and "'strategy'" in message
+    assert refusal(MOVING, POLICIES["standard"],
+                   {"strategy": "low_confidence_dynamic"}) is None
+
+
+def test_request_features_that_need_fixed_positions():
+    from vllm import SamplingParams
+    from vllm.sampling_params import StructuredOutputsParams
+
+    greedy = SamplingParams(temperature=0)
+    assert request_refusal(MOVING, greedy) is None
+    cases = [(SamplingParams(temperature=0.7), "temperature"),
+             (SamplingParams(temperature=0, logprobs=1), "logprobs"),
+             (SamplingParams(temperature=0, min_tokens=2), "min_tokens"),
+             (SamplingParams(temperature=0, bad_words=["x"]), "bad_words"),
+             (SamplingParams(temperature=0,
+                             structured_outputs=StructuredOutputsParams(regex="a+")),
+              "structured_outputs")]
+    for params, parameter in cases:
+        refused = request_refusal(MOVING, params)
+        assert refused is not None and refused[0] == parameter, (parameter, refused)
+        assert request_refusal(FIXED, params) is None
+
+
+def test_families_declare_from_their_configuration():
+    assert model_capabilities(SDARConfig()) == ModelCapabilities(family="SDAR")
+    llada20 = model_capabilities(LLaDA2MoeConfig(vocab_size=64))
+    assert not llada20.moves_tokens and not llada20.needs_whole_blocks
+    llada22 = model_capabilities(LLaDA2MoeConfig(vocab_size=64, block_size=8,
+                                                 expert_capacity=4, delete_token_id=60,
+                                                 split_token_id=61))
+    assert llada22.edit_tokens == (60, 61) and llada22.routing_block_size == 8
+    assert llada22.option_defaults["strategy"] == "low_confidence_dynamic"
+    with pytest.raises(ValueError, match="'split_token_id' in \\[0, 64\\)"):
+        model_capabilities(LLaDA2MoeConfig(vocab_size=64, expert_capacity=4,
+                                           delete_token_id=60, split_token_id=64))
+    with pytest.raises(ValueError, match="must differ"):
+        model_capabilities(LLaDA2MoeConfig(vocab_size=64, expert_capacity=4,
+                                           delete_token_id=60, split_token_id=60))
+
+    class Unknown:
+        model_type = "unknown"
+
+    with pytest.raises(ValueError, match="no model family for model_type 'unknown'"):
+        model_capabilities(Unknown())
+
+
+def test_declared_regimes_the_engine_does_not_serve_are_refused_by_name():
+    assert model_refusal(FIXED) is None and model_refusal(MOVING) is None
+    assert "'full'" in model_refusal(ModelCapabilities(family="F", attention="full"))
+    assert "shifted" in model_refusal(ModelCapabilities(family="F", shifted_logits=True))
+    assert "approximate" in model_refusal(ModelCapabilities(family="F", exact_kv=False))

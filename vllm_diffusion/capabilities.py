@@ -1,0 +1,141 @@
+"""What a model family's forward and decoding need, and what a policy does, declared once
+and compared by one check.
+
+A family declares its ``ModelCapabilities`` (``models/configs.py``, from the checkpoint's
+configuration); a policy declares its ``PolicyTraits`` for given options
+(``DecodingPolicy.traits``). ``refusal`` compares them: at start-up with the engine's
+options, and for every request with its effective options. ``request_refusal`` adds what
+a family's decoding rules out for a request's sampling parameters. Nothing here names a
+family: the rules are stated on the declared properties.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelCapabilities:
+    """What serving a model family needs (the defaults: SDAR's block diffusion)."""
+
+    family: str  # named in refusals
+    # how a block's rows attend: "block_causal" (the committed prefix and their own
+    # block, whose KV is cached once the block ends)
+    attention: str = "block_causal"
+    # the committed prefix's KV is exactly what a full recomputation would give
+    exact_kv: bool = True
+    # position i's logits predict token i + 1 (autoregressive-initialised models)
+    shifted_logits: bool = False
+    # (DELETE, SPLIT) ids where the model's edits move tokens within a block (the block
+    # then decodes by a loop that can rewrite it); None where positions are fixed
+    edit_tokens: tuple[int, int] | None = None
+    # experts are chosen per routing block of this many tokens, from all of its tokens:
+    # every forward computes whole blocks, and a diffusion block holds whole routing
+    # blocks (None: per-token routing or dense)
+    routing_block_size: int | None = None
+    # the family's published decoding settings, as policy option defaults (below what the
+    # engine's options set)
+    option_defaults: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+
+    @property
+    def moves_tokens(self) -> bool:
+        return self.edit_tokens is not None
+
+    @property
+    def needs_whole_blocks(self) -> bool:
+        return self.routing_block_size is not None
+
+
+@dataclasses.dataclass(frozen=True)
+class PolicyTraits:
+    """What a policy does with given options."""
+
+    # why some forward computes part of a block or a commit follows another rule than
+    # the unmasking strategies (None: every forward computes whole blocks)
+    partial_blocks: str | None = None
+    # why it cannot decode a block whose tokens move (None: it runs the rewriting loop)
+    fixed_positions_only: str | None = "it does not run a loop whose edits move tokens"
+    # whether it may drop rows inside the forward (grammar requests are never dropped)
+    skips_rows: bool = False
+
+
+# What the engine's step serves today: the attention regimes its backend computes, and
+# logits that predict their own position over an exact committed prefix.
+SERVED_ATTENTION = ("block_causal",)
+
+
+def model_refusal(model: ModelCapabilities) -> str | None:
+    """Why the engine cannot serve ``model`` whatever the policy, or None."""
+    if model.attention not in SERVED_ATTENTION:
+        return (f"{model.family} attends {model.attention!r}; the engine serves "
+                f"{', '.join(map(repr, SERVED_ATTENTION))} attention")
+    if model.shifted_logits:
+        return f"{model.family}'s logits are shifted (position i predicts i + 1); not served"
+    if not model.exact_kv:
+        return f"{model.family} declares an approximate committed KV; not served"
+    return None
+
+
+def refusal(model: ModelCapabilities, policy: Any, options: Mapping[str, Any],
+            given: Mapping[str, Any] | None = None, block_size: int | None = None
+            ) -> str | None:
+    """Why ``policy`` (a policy class) with ``options`` (absent ones take their defaults)
+    cannot serve ``model``, or None. ``given``: the options the user set (default
+    ``options``), where an option that only applies to other models is refused;
+    ``block_size``: the diffusion block size, checked where known (start-up)."""
+    traits = policy.traits(options)
+    if model.needs_whole_blocks:
+        routing = model.routing_block_size
+        if traits.partial_blocks is not None:
+            return (f"the {policy.name} policy cannot serve {model.family}: "
+                    f"{traits.partial_blocks} ({model.family} chooses each routing block's "
+                    f"experts from all of its tokens, so every forward must compute whole "
+                    f"blocks)")
+        if block_size is not None and block_size % routing:
+            return (f"{model.family} routes experts per block of {routing} tokens (config "
+                    f"block_size); the diffusion block size ({block_size}) must be a "
+                    f"multiple of it")
+    if model.moves_tokens and traits.fixed_positions_only is not None:
+        return (f"the {policy.name} policy cannot serve {model.family}, whose edits move "
+                f"tokens within a block: {traits.fixed_positions_only}; use the standard "
+                f"policy")
+    if not model.moves_tokens:
+        named = [name for name in policy.config_cls.token_moving_options
+                 if name in (options if given is None else given)]
+        if named:
+            return (f"option '{named[0]}' applies to decoding whose edits move tokens "
+                    f"within a block; {model.family} does not decode that way, remove the "
+                    f"option")
+    return None
+
+
+# Request features that need each output token at a fixed position, refused where a
+# model's edits move tokens: (parameter, is it asked for, why it needs fixed positions)
+_FIXED_POSITION_FEATURES = (
+    ("logprobs", lambda p: p.logprobs is not None or bool(p.logprob_token_ids),
+     "a token's logprob under moving positions is not defined yet"),
+    ("bad_words", lambda p: bool(p.bad_words), "bad words are barred at fixed positions"),
+    ("min_tokens", lambda p: bool(p.min_tokens),
+     "min_tokens bars stop tokens at fixed output positions"),
+    ("structured_outputs", lambda p: p.structured_outputs is not None
+     and not p.structured_outputs.all_constraints_none(),
+     "a grammar follows tokens at fixed positions"),
+)
+
+
+def request_refusal(model: ModelCapabilities, params: Any) -> tuple[str, str] | None:
+    """(parameter, why) where ``params`` asks for what the model's decoding cannot give,
+    or None."""
+    if not model.moves_tokens:
+        return None
+    why = f"{model.family}'s edits move tokens within a block"
+    if params.temperature >= 1e-5:
+        return ("temperature", f"temperature is not supported where {why}: its published "
+                "loop samples mask-to-token writes but edits greedily; only its greedy "
+                "path (temperature 0) is implemented")
+    for parameter, asked, reason in _FIXED_POSITION_FEATURES:
+        if asked(params):
+            return parameter, f"{parameter} is not supported where {why}: {reason}"
+    return None

@@ -1,0 +1,129 @@
+"""Step state that persists per request slot, updated in place and read without restacking.
+
+A live request holds one slot from its first step until it finishes, fails or is aborted
+(a preempted request keeps its slot, so its block survives the preemption). Row s of every
+slot-indexed tensor belongs to the request in slot s:
+
+- ``BlockSlots`` (the runner's): the slot allocator and the current blocks' tokens and
+  decode steps, [S, B] host tensors; a request's ``BlockCanvas`` reads and writes its row;
+- ``SlotTable`` (a policy's): per-position state of the policy, [S, ...] on any device,
+  grown to cover whichever slot it is asked for.
+
+A step's [R, B] view of its blocks is then one index of these tensors by the blocks'
+slots ([R] int64), not a stack of per-request tensors.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+
+class BlockSlots:
+    """The slot allocator and the current block of every slot.
+
+    tokens: [S, B] int64, the block's tokens (mask_token_id where undecided);
+    decoded_at: [S, B] int64, the request's denoising step that last changed each position
+        (-1 where fixed or still masked).
+    Slots are handed out lowest first; when none is free the tensors double (their rows
+    kept), so ``capacity`` is only the starting size. Read rows through ``tokens[slot]``
+    when needed, not views kept across steps: growing replaces the tensors.
+    """
+
+    def __init__(self, block_size: int, capacity: int = 1) -> None:
+        if capacity < 1:
+            raise ValueError(f"a BlockSlots needs at least one slot, got {capacity}")
+        self.block_size = block_size
+        self.tokens = torch.zeros(capacity, block_size, dtype=torch.long)
+        self.decoded_at = torch.full((capacity, block_size), -1, dtype=torch.long)
+        self._free = list(range(capacity))  # a heap: the lowest free slot first
+        self._used: set[int] = set()
+
+    @property
+    def capacity(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def in_use(self) -> int:
+        return len(self._used)
+
+    def acquire(self) -> int:
+        """A free slot (the lowest), growing the tensors when every slot is held."""
+        if not self._free:
+            self._grow(2 * self.capacity)
+        slot = heapq.heappop(self._free)
+        self._used.add(slot)
+        return slot
+
+    def release(self, slot: int) -> None:
+        """Give ``slot`` back; its rows are rewritten by its next holder's first block."""
+        if slot not in self._used:
+            raise ValueError(f"slot {slot} is not held")
+        self._used.remove(slot)
+        heapq.heappush(self._free, slot)
+
+    def _grow(self, capacity: int) -> None:
+        old = self.capacity
+        self.tokens = _grown(self.tokens, capacity, 0)
+        self.decoded_at = _grown(self.decoded_at, capacity, -1)
+        for slot in range(old, capacity):
+            heapq.heappush(self._free, slot)
+
+
+class SlotTable:
+    """A policy's per-slot state: ``data`` [S, *row_shape], row s the request in slot s.
+
+    Made empty; ``covering`` grows it (rows kept, new rows ``fill``) to the slots asked
+    for, at least doubling so that growth is rare. A row keeps what its last holder left:
+    the policy resets it when a request's block starts (``reset``).
+    """
+
+    def __init__(self, row_shape: tuple[int, ...], dtype: torch.dtype, fill: float = 0,
+                 device: torch.device | str = "cpu") -> None:
+        self.fill = fill
+        self.data = torch.full((0, *row_shape), fill, dtype=dtype, device=device)
+
+    def covering(self, slots: int | torch.Tensor | Sequence[int]) -> torch.Tensor:
+        """``data``, grown to hold row ``slots`` (a slot, or the largest of several)."""
+        if isinstance(slots, torch.Tensor):
+            largest = int(slots.max()) if slots.numel() else -1
+        elif isinstance(slots, int):
+            largest = slots
+        else:
+            largest = max(slots, default=-1)
+        if largest >= len(self.data):
+            self.data = _grown(self.data, max(largest + 1, 2 * len(self.data)), self.fill)
+        return self.data
+
+    def reset(self, slots: int | Sequence[int]) -> None:
+        """Rows ``slots`` back to ``fill``."""
+        if isinstance(slots, int):
+            self.covering(slots)[slots] = self.fill
+        elif slots:
+            index = torch.tensor(list(slots), dtype=torch.long)
+            self.covering(index).index_fill_(0, index.to(self.data.device), self.fill)
+
+
+def _grown(tensor: torch.Tensor, rows: int, fill: float) -> torch.Tensor:
+    grown = torch.full((rows, *tensor.shape[1:]), fill, dtype=tensor.dtype,
+                       device=tensor.device)
+    grown[:len(tensor)] = tensor
+    return grown
+
+
+def slot_index(requests: Sequence[Any]) -> torch.Tensor:
+    """[R] int64: the slots of ``requests`` (``DiffusionRequest``s), in order."""
+    return torch.tensor([r.slot for r in requests], dtype=torch.long)
+
+
+def block_tokens(canvases: Sequence[Any]) -> torch.Tensor:
+    """[R, B] int64: the tokens of these blocks (``BlockCanvas``es), one index of the
+    ``BlockSlots`` they are rows of. Canvases made apart from a runner, each on slots of
+    its own, are stacked instead."""
+    slots = canvases[0].slots
+    if all(c.slots is slots for c in canvases):
+        return slots.tokens[torch.tensor([c.slot for c in canvases], dtype=torch.long)]
+    return torch.stack([c.tokens for c in canvases])

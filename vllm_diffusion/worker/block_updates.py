@@ -1,0 +1,227 @@
+"""What a step does to its blocks once their proposals are made: the policy decides the
+commits and edits of every block at once (``decide``), each block's canvas takes them and
+emits its newly final tokens (``apply``); blocks whose tokens move are rewritten by the
+policy one at a time instead (``rewrite``).
+
+``ProposedBlocks`` is the step's proposals as the runner made them: [R, B] grids over the
+R denoised blocks (host tensors), with each block's request and vLLM state and the blocks
+as they were before the step (read from the runner's block slots at once). A block's
+canvas is its slot's row: taking a step writes that row in place.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+
+from vllm_diffusion.policies.base import DecodingPolicy
+from vllm_diffusion.step.failures import count_progress
+from vllm_diffusion.step.plans import CommitBatch, EditBatch
+from vllm_diffusion.step.request import DiffusionRequest
+from vllm_diffusion.worker.bad_words import undo_completed_words
+from vllm_diffusion.worker.constraints import position_rules
+from vllm_diffusion.worker.grammar import GrammarCompiler, GrammarStep, advance
+from vllm_diffusion.worker.logprobs import asked_count, own_columns, wants_logprobs
+from vllm_diffusion.worker.outputs import DiffusionStats, EmittedTokens, StepDecisions
+from vllm_diffusion.worker.proposal_grid import ProposalGrid
+from vllm_diffusion.worker.row_context import RowContext
+from vllm_diffusion.worker.sampling import ROW_VALID
+from vllm_diffusion.worker.step_failures import StepFailures
+from vllm_diffusion.worker.step_plan import (DenoisedBlock, decode_steps, emit_final_tokens,
+                                             truncate_at_stop)
+
+
+@dataclasses.dataclass
+class ProposedBlocks:
+    blocks: list[DenoisedBlock]
+    states: list[Any]  # vLLM's CachedRequestState of each block's request
+    context: RowContext  # output canvases, bad words, seen tokens
+    grammar: GrammarStep
+    grid: ProposalGrid  # [R, B] proposals, confidence, computed, invalid, ...
+    tokens: torch.Tensor  # [R, B] int64: the blocks before the step
+    masked: torch.Tensor  # [R, B] bool: masked before the step
+    filled: torch.Tensor  # [R, B] bool: changed by an earlier step of the block
+    with_entropy: bool  # the commit choice reads each proposal's entropy
+
+    @property
+    def requests(self) -> list[DiffusionRequest]:
+        return [b.rows.request for b in self.blocks]
+
+    @property
+    def req_ids(self) -> list[str]:
+        return [b.rows.req_id for b in self.blocks]
+
+
+class BlockUpdates:
+    def __init__(self, policy: DecodingPolicy, mask_token_id: int,
+                 max_steps_without_progress: int, stats: DiffusionStats,
+                 grammars: GrammarCompiler) -> None:
+        self.policy = policy
+        self.mask_token_id = mask_token_id
+        self.max_steps_without_progress = max_steps_without_progress
+        self.stats = stats
+        self.grammars = grammars
+
+    def decide(self, step: ProposedBlocks, failures: StepFailures) -> StepDecisions:
+        """The commits and edits of every block, by the policy (one call each for the
+        whole batch), within the requests' grammars and bad words."""
+        grid, grammar, masked, context = step.grid, step.grammar, step.masked, step.context
+        requests, blocks = step.requests, step.blocks
+        proposals, confidence = grid.tokens, grid.confidence
+        usable = grid.computed & (grid.invalid == ROW_VALID)  # [R, B]: proposals to commit
+        available = masked & usable
+        if grammar.active:  # only a grammar-valid run from the leftmost undecided position
+            grammar.constrain(proposals, confidence, available, usable, position_rules(
+                [b.rows.canvas for b in blocks], step.states, context.output_canvas,
+                [r.grammar is not None for r in requests]))
+            failures.fail_each(step.req_ids, grammar.take_errors("walking its grammar"))
+        commit_inputs = (confidence, available)
+        if step.with_entropy:
+            commit_inputs = (*commit_inputs, grid.entropy)
+        commits = _ask_policy(self.policy.choose_commits, CommitBatch, requests,
+                              commit_inputs, failures, "choosing its commits")
+        if grammar.active:
+            grammar.include_first(commits)
+        tokens_before = step.tokens
+        tokens_after = torch.where(commits, proposals, tokens_before)
+        filled = usable & step.filled
+        edits = _ask_policy(self.policy.choose_edits, EditBatch, requests,
+                            (confidence, proposals, tokens_before, filled), failures,
+                            "choosing its edits")
+        if edits is not None:
+            tokens_after = torch.where(edits, proposals, tokens_after)
+        else:
+            edits = torch.zeros_like(commits)
+        for i, block_words in enumerate(context.words):
+            if block_words:
+                undo_completed_words(context.output_canvas[i], blocks[i].rows.canvas.start
+                                     - len(step.states[i].prompt_token_ids), block_words,
+                                     commits[i], edits[i], tokens_before[i], tokens_after[i],
+                                     self.mask_token_id)
+        if grammar.active:  # after the undo: the run from F holds no undone position
+            grammar.restrict(commits)
+            tokens_after = torch.where(commits | edits, proposals, tokens_before)
+        return StepDecisions(commits, edits, tokens_after, masked, grid.computed,
+                             commits.sum(dim=1).tolist(), tokens_after.tolist(),
+                             (tokens_after != self.mask_token_id).all(dim=1).tolist(),
+                             edits.sum(dim=1).tolist(), (~masked.any(dim=1)).tolist())
+
+    def apply(self, step: ProposedBlocks, decisions: StepDecisions,
+              failures: StepFailures) -> dict[str, EmittedTokens]:
+        """Each block takes its commits and edits; returns what each request emits."""
+        emitted: dict[str, EmittedTokens] = {}
+        logprobs = step.grid.logprobs
+        for i, (block, state) in enumerate(zip(step.blocks, step.states)):
+            req_id, params = block.rows.req_id, state.sampling_params
+            if req_id in failures:
+                continue
+            with failures.isolated(req_id, "unmasking its block"):
+                emitted[req_id] = self._unmask(
+                    block, state, decisions, i,
+                    None if logprobs is None or not wants_logprobs(params)
+                    else own_columns(logprobs[i], asked_count(params)))
+        return emitted
+
+    def rewrite(self, step: ProposedBlocks, failures: StepFailures
+                ) -> dict[str, EmittedTokens]:
+        """A step of blocks whose tokens may move (``policy.rewrite_block``), each block
+        alone; its proposals and confidence [R, B], ranked [R, B, r], computed whole."""
+        emitted: dict[str, EmittedTokens] = {}
+        grid, stats = step.grid, self.stats
+        for i, (block, state) in enumerate(zip(step.blocks, step.states)):
+            req_id = block.rows.req_id
+            if req_id in failures:
+                continue
+            with failures.isolated(req_id, "rewriting its block"):
+                request, canvas = block.rows.request, block.rows.canvas
+                masked, old = step.masked[i], step.tokens[i]
+                rewritten = self.policy.rewrite_block(request, old, grid.tokens[i],
+                                                      grid.confidence[i], grid.ranked[i])
+                canvas.commit(rewritten.changed, rewritten.tokens_written,
+                              began_unmasked=not bool(masked.any()))
+                canvas.rearrange(rewritten.source, rewritten.tokens)
+                canvas.final_kv = rewritten.ended and torch.equal(rewritten.tokens, old)
+                stats.tokens_deleted += rewritten.deletions
+                stats.tokens_split += rewritten.splits
+                moved = rewritten.deletions + rewritten.splits
+                emitted[req_id] = self._finish_step(
+                    block, state, rewritten.ended, masked, grid.computed[i],
+                    int((rewritten.changed & masked).sum()),
+                    int((rewritten.changed & ~masked).sum()) + moved,
+                    canvas.tokens.tolist())
+        return emitted
+
+    def _unmask(self, block: DenoisedBlock, state: Any, decisions: StepDecisions, i: int,
+                logprobs: torch.Tensor | None) -> EmittedTokens:
+        """Block ``i`` takes its commits and edits. ``logprobs``: [B, C] the logprob
+        columns of its positions this step (None: not asked for)."""
+        request, canvas = block.rows.request, block.rows.canvas
+        changed = decisions.commits[i] | decisions.edits[i]
+        canvas.commit(changed, decisions.tokens_after[i],
+                      began_unmasked=decisions.began_unmasked[i], logprobs=logprobs)
+        block_done = (decisions.no_mask_left[i]
+                      and self.policy.block_ends(request, decisions.num_edited[i] > 0,
+                                                 decisions.began_unmasked[i]))
+        canvas.final_kv = (block_done and not bool(changed.any())
+                           and bool(decisions.computed[i].all()))
+        return self._finish_step(block, state, block_done, decisions.masked[i],
+                                 decisions.computed[i], decisions.num_decoded[i],
+                                 decisions.num_edited[i], decisions.token_lists[i])
+
+    def _finish_step(self, block: DenoisedBlock, state: Any, block_done: bool,
+                     masked: torch.Tensor, computed: torch.Tensor, num_decoded: int,
+                     num_edited: int, tokens: list[int]) -> EmittedTokens:
+        """After a block's step (its canvas updated): tell the policy, emit the newly
+        final tokens (``tokens``: the block now; the decoded run after the known tokens,
+        or, while its tokens may still change, nothing until the block ends), count."""
+        request, canvas = block.rows.request, block.rows.canvas
+        self.policy.after_step(request, masked, computed, num_decoded)
+        if block_done:
+            self.policy.on_block_complete(request)
+        num_known = len(state.prompt_token_ids) + len(state.output_token_ids)
+        if not block_done and self.policy.edits_tokens(request):
+            decoded = []
+        else:
+            decoded = emit_final_tokens(tokens, canvas.start, num_known, self.mask_token_id)
+        final = truncate_at_stop(decoded, state.sampling_params, len(state.output_token_ids))
+        if request.wants_step_map:
+            request.step_map.extend(decode_steps(canvas, num_known, len(final)))
+        if request.grammar is not None:
+            advance(self.grammars, request.grammar, request.req_id, final)
+        state.output_token_ids.extend(final)
+        stats = self.stats
+        stats.denoising_steps += 1
+        stats.block_positions_computed += len(block.rows.block_positions)
+        stats.block_positions_after_eviction += block.num_computed
+        stats.tokens_committed += len(final)
+        stats.blocks_completed += int(block_done)
+        stats.tokens_edited += num_edited
+        canvas.edits += num_edited
+        stats.edited_blocks_completed += int(block_done and canvas.edits > 0)
+        count_progress(request, bool(num_decoded or num_edited or block_done),
+                       self.max_steps_without_progress)
+        offset = num_known - canvas.start
+        return EmittedTokens(
+            final,
+            None if canvas.logprobs is None else canvas.logprobs[offset:offset + len(final)],
+            list(request.step_map) if request.wants_step_map else None)
+
+
+def _ask_policy(method, batch_cls, requests: list[DiffusionRequest],
+                tensors: tuple[torch.Tensor, ...], failures: StepFailures, doing: str):
+    """``method(batch_cls(requests, *tensors))`` for all blocks at once ([R, B] bool or
+    None); if it raises, each block is asked alone so that only the request it fails for
+    is finished (its row is then all False)."""
+    try:
+        return method(batch_cls(requests, *tensors))
+    except Exception:  # noqa: BLE001 - narrowed to the failing requests below
+        rows = []
+        for i, request in enumerate(requests):
+            row = None
+            with failures.isolated(request.req_id, doing):
+                row = method(batch_cls([request], *(t[i:i + 1] for t in tensors)))
+            rows.append(torch.zeros(tensors[0][i].shape, dtype=torch.bool)
+                        if row is None else row[0])
+        return torch.stack(rows)

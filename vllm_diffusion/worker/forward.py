@@ -1,0 +1,98 @@
+"""The forward of one diffusion step: the planned rows through the model, once.
+
+``StepForward`` turns the step's rows into the model's inputs and each layer's read-only
+view of them (``models.step_run.LayerViews``, vLLM's forward-context metadata), runs the
+model (as vLLM built it when the policy has no hooks this step, every layer reading the
+same view; as pieces between the hooks' layers otherwise, the step's run object owning the
+rows and republishing the views when a hook drops rows, ``models/step_run.py``) and
+returns the hidden states of the rows that reached the last layer.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from vllm.forward_context import set_forward_context
+from vllm.model_executor.models.utils import extract_layer_index
+
+from vllm_diffusion.attention.backend import step_planner
+from vllm_diffusion.models.step_run import LayerViews, StepRun
+from vllm_diffusion.step.hooks import ForwardStep, StepHooks
+from vllm_diffusion.step.rows import StepRows
+from vllm_diffusion.worker.outputs import DiffusionStats
+from vllm_diffusion.worker.step_plan import RequestRows, step_inputs
+
+
+class StepForward:
+    """Runs a step's forward for one runner (its model, configuration and counters)."""
+
+    def __init__(self, runner: Any, stats: DiffusionStats) -> None:
+        self.runner = runner  # vLLM's model runner: model, device, KV cache config
+        self.stats = stats
+        self.num_layers = runner.vllm_config.model_config.hf_config.num_hidden_layers
+        # The attention layers' names by layer index, and the attention's step planner
+        # (found at the first step: the KV cache is configured after the runner is built)
+        self._layer_names: list[str] | None = None
+        self._planner = None
+
+    def _attention_layers(self) -> list[str]:
+        if self._layer_names is None:
+            runner = self.runner
+            names = sorted((name for group in runner.kv_cache_config.kv_cache_groups
+                            for name in group.layer_names), key=extract_layer_index)
+            if [extract_layer_index(name) for name in names] != list(range(len(names))):
+                raise RuntimeError(f"expected one attention layer per model layer, got "
+                                   f"{names}")
+            layers = runner.vllm_config.compilation_config.static_forward_context
+            self._planner = step_planner(layers[names[0]])
+            self._layer_names = names
+        return self._layer_names
+
+    def run(self, rows: list[RequestRows], step: ForwardStep, hooks: StepHooks | None,
+            page_ids: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+        """Hidden states of the rows that reached the last layer, those rows (step row
+        indices), and the block rows each layer computed. ``page_ids``: each request's KV
+        page ids."""
+        runner = self.runner
+        device, diffusion = runner.device, runner.diffusion
+        inputs = step_inputs(rows, page_ids, runner.cache_config.block_size)
+        positions = inputs.positions.to(device)
+        step_rows = StepRows(query_positions=positions, slot_mapping=inputs.slots.to(device),
+                             query_start_loc=inputs.query_start_loc, kv_lens=inputs.kv_lens)
+        views = LayerViews(self._attention_layers(), inputs.block_table.to(device),
+                           diffusion.block_size, self._planner)
+        # Steps without hooks run the model as vLLM built it (compiled unless eager), every
+        # layer reading one view; steps with hooks run the layers between hook points as
+        # pieces compiled by the model (``models/layer_segments.py``), the hooks eagerly
+        # between them, and the run publishes the views.
+        run = None
+        if hooks is None:
+            views.publish(views.view(step_rows, planned=True), 0)
+        else:
+            block_rows = torch.zeros(step.num_rows, dtype=torch.bool)
+            for s in step.requests:
+                if s.block_rows is not None:
+                    block_rows[s.block_rows] = True
+            run = StepRun(hooks, block_rows, step_rows, views,
+                          compiled=not runner.model_config.enforce_eager,
+                          row_buckets=diffusion.row_buckets)
+        token_ids = inputs.token_ids.to(device)
+        with set_forward_context(views.by_name, runner.vllm_config, num_tokens=len(positions),
+                                 slot_mapping={}, skip_compiled=run is not None):
+            if run is None:
+                hidden_states = runner.model(input_ids=token_ids, positions=positions)
+            else:
+                hidden_states = runner.model(input_ids=token_ids, positions=positions,
+                                             stack_run=run)
+        stats = self.stats
+        stats.positions_computed += len(positions)
+        stats.commits_reused += sum(r.reused_commit for r in rows)
+        stats.bucket_padding_rows += run.padding_rows if run is not None else 0
+        counts = (run.layer_block_rows if run is not None else
+                  [sum(len(s.block_rows) for s in step.requests if s.block_rows is not None)]
+                  * self.num_layers)
+        stats.add_layer_rows(counts)
+        out_rows = run.rows if run is not None else torch.arange(len(positions))
+        return hidden_states, out_rows, counts
