@@ -120,8 +120,15 @@ class RecordingPolicy(DecodingPolicy):
         return getattr(self.inner, attribute)
 
     # The interface's methods: the inner's, with recording added at two of them.
+    @property
+    def model(self) -> Any:
+        return self.inner.model
+
     def bind(self, model: Any, hf_config: Any, prefix_caching: bool) -> None:
         self.inner.bind(model, hf_config, prefix_caching)
+
+    def bind_model(self, hf_config: Any, prefix_caching: bool) -> None:
+        self.inner.bind_model(hf_config, prefix_caching)
 
     def begin_step(self, requests: list[DiffusionRequest]) -> None:
         self.inner.begin_step(requests)
@@ -202,7 +209,7 @@ def wrap_worker_policy(worker: Any) -> None:
     """On a worker: record under its policy from now on (a no-op if already recording)."""
     runner = worker.model_runner
     if not isinstance(runner.policy, RecordingPolicy):
-        runner.policy = RecordingPolicy(runner.policy)
+        runner.use_policy(RecordingPolicy(runner.policy))
 
 
 def unwrap_worker_policy(worker: Any) -> list[dict[str, list]]:
@@ -210,7 +217,8 @@ def unwrap_worker_policy(worker: Any) -> list[dict[str, list]]:
     runner = worker.model_runner
     if not isinstance(runner.policy, RecordingPolicy):
         return []
-    recording, runner.policy = runner.policy, runner.policy.inner
+    recording = runner.policy
+    runner.use_policy(recording.inner)
     return recording.records
 
 

@@ -76,6 +76,11 @@ class DiffusionRunnerMixin:
                                     self.diffusion.max_steps_without_progress,
                                     self.diffusion_stats, self.grammars)
 
+    def use_policy(self, policy: Any) -> None:
+        """Decode with ``policy`` from the next step on (a wrapper of the bound one, as the
+        lab's importance recording installs)."""
+        self.policy = self.updates.policy = policy
+
     def worst_logits_chunk(self) -> list[int]:
         """Rows per request of the largest chunk of logits a step can make at once: whole
         blocks of ``max_num_seqs`` requests, as many as the logits budget holds (at least
