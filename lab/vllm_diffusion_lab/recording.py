@@ -209,7 +209,7 @@ def wrap_worker_policy(worker: Any) -> None:
     """On a worker: record under its policy from now on (a no-op if already recording)."""
     runner = worker.model_runner
     if not isinstance(runner.policy, RecordingPolicy):
-        runner.use_policy(RecordingPolicy(runner.policy))
+        runner.policy = RecordingPolicy(runner.policy)
 
 
 def unwrap_worker_policy(worker: Any) -> list[dict[str, list]]:
@@ -217,8 +217,7 @@ def unwrap_worker_policy(worker: Any) -> list[dict[str, list]]:
     runner = worker.model_runner
     if not isinstance(runner.policy, RecordingPolicy):
         return []
-    recording = runner.policy
-    runner.use_policy(recording.inner)
+    recording, runner.policy = runner.policy, runner.policy.inner
     return recording.records
 
 

@@ -55,14 +55,32 @@ class ProposedBlocks:
 
 
 class BlockUpdates:
-    def __init__(self, policy: DecodingPolicy, mask_token_id: int,
-                 max_steps_without_progress: int, stats: DiffusionStats,
-                 grammars: GrammarCompiler) -> None:
-        self.policy = policy
-        self.mask_token_id = mask_token_id
-        self.max_steps_without_progress = max_steps_without_progress
-        self.stats = stats
-        self.grammars = grammars
+    """The block updates of one runner: its policy, configuration, counters and matchers
+    are read from the runner at each use (a wrapper the runner installs, or a changed
+    configuration, applies from the next step on)."""
+
+    def __init__(self, runner: Any) -> None:
+        self.runner = runner  # the diffusion runner (``worker/runner.py``)
+
+    @property
+    def policy(self) -> DecodingPolicy:
+        return self.runner.policy
+
+    @property
+    def mask_token_id(self) -> int:
+        return self.runner.diffusion.mask_token_id
+
+    @property
+    def max_steps_without_progress(self) -> int:
+        return self.runner.diffusion.max_steps_without_progress
+
+    @property
+    def stats(self) -> DiffusionStats:
+        return self.runner.diffusion_stats
+
+    @property
+    def grammars(self) -> GrammarCompiler:
+        return self.runner.grammars
 
     def decide(self, step: ProposedBlocks, failures: StepFailures) -> StepDecisions:
         """The commits and edits of every block, by the policy (one call each for the

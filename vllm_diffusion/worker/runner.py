@@ -72,14 +72,7 @@ class DiffusionRunnerMixin:
         self.diffusion_stats = DiffusionStats()
         self.grammars = GrammarCompiler(self.vllm_config, self.diffusion_stats)
         self.step_forward = StepForward(self, self.diffusion_stats)
-        self.updates = BlockUpdates(self.policy, self.diffusion.mask_token_id,
-                                    self.diffusion.max_steps_without_progress,
-                                    self.diffusion_stats, self.grammars)
-
-    def use_policy(self, policy: Any) -> None:
-        """Decode with ``policy`` from the next step on (a wrapper of the bound one, as the
-        lab's importance recording installs)."""
-        self.policy = self.updates.policy = policy
+        self.updates = BlockUpdates(self)
 
     def worst_logits_chunk(self) -> list[int]:
         """Rows per request of the largest chunk of logits a step can make at once: whole
