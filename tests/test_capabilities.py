@@ -99,6 +99,23 @@ def test_families_declare_from_their_configuration():
 
 def test_declared_regimes_the_engine_does_not_serve_are_refused_by_name():
     assert model_refusal(FIXED) is None and model_refusal(MOVING) is None
-    assert "'full'" in model_refusal(ModelCapabilities(family="F", attention="full"))
+    assert model_refusal(ModelCapabilities(family="F", attention="full")) is None
+    assert "'sliding'" in model_refusal(ModelCapabilities(family="F", attention="sliding"))
     assert "shifted" in model_refusal(ModelCapabilities(family="F", shifted_logits=True))
+    # under full attention the planner reads a block's logits one row earlier
+    assert model_refusal(ModelCapabilities(family="F", attention="full",
+                                           shifted_logits=True)) is None
     assert "approximate" in model_refusal(ModelCapabilities(family="F", exact_kv=False))
+
+
+def test_a_whole_canvas_family_refuses_a_canvas_larger_than_its_block():
+    from vllm import SamplingParams
+
+    whole = ModelCapabilities(family="Whole", attention="full", whole_canvas=True)
+    assert request_refusal(whole, SamplingParams(max_tokens=16), block_size=16) is None
+    parameter, why = request_refusal(whole, SamplingParams(max_tokens=17), block_size=16)
+    assert parameter == "max_tokens" and "max_tokens (17)" in why
+    assert "whole canvas" in why and "block size (16)" in why
+    # an unset max_tokens is checked once vLLM resolved it (requests.validate_satisfiable)
+    assert request_refusal(whole, SamplingParams(max_tokens=None), block_size=16) is None
+    assert request_refusal(FIXED, SamplingParams(max_tokens=17), block_size=16) is None

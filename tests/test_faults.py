@@ -17,7 +17,7 @@ from vllm.exceptions import VLLMValidationError
 from vllm.inputs import TokensPrompt
 
 from vllm_diffusion.worker import block_updates as block_updates_module
-from vllm_diffusion.worker import runner as runner_module
+from vllm_diffusion.worker import step_plan as step_plan_module
 from vllm_diffusion.worker.forward import StepForward
 
 pytestmark = pytest.mark.engine
@@ -132,14 +132,14 @@ def test_policy_failure_finishes_only_that_request(llm, reference_tokens, monkey
     diffusion state are freed, the requests batched with it decode exactly as alone."""
     marker = 13  # max_tokens of the request whose policy work raises
     if where == "planning":
-        plan = runner_module.plan_request
+        plan = step_plan_module.plan_request
 
         def failing(req_id, token_ids, num_computed, *args, **kwargs):
             if num_computed > 0 and marked[req_id]:
                 raise RuntimeError("injected planning failure")
             return plan(req_id, token_ids, num_computed, *args, **kwargs)
 
-        monkeypatch.setattr(runner_module, "plan_request", failing)
+        monkeypatch.setattr(step_plan_module, "plan_request", failing)
     else:
         truncate = block_updates_module.truncate_at_stop
 

@@ -15,8 +15,11 @@ from vllm_diffusion_lab.fixtures.tiny_sdar import build_tiny_sdar
 pytestmark = pytest.mark.engine
 
 STRATEGY = {"strategy": st.sampled_from(["low_confidence_dynamic", "threshold", "sequential",
-                                         "entropy_bounded", "low_confidence_static"]),
+                                         "entropy_bounded", "low_confidence_static",
+                                         "timestep_schedule"]),
             "threshold": st.sampled_from([0.0, 0.9, 1.0]),
+            "alg": st.sampled_from(["maskgit_plus", "entropy"]),
+            "eps": st.sampled_from([1e-3, 0.5]),
             "denoising_steps": st.integers(1, BLOCK_SIZE),
             "editing_threshold": st.sampled_from([None, 0.0, 0.9])}
 POLICY_OPTIONS = {

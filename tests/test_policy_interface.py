@@ -11,10 +11,14 @@ import pytest
 import torch
 
 from vllm_diffusion.policies import POLICIES
-from vllm_diffusion.policies.base import DecodingPolicy
+from vllm_diffusion.policies.base import BlockUnmasking, DecodingPolicy
 from vllm_diffusion.policies.focus import FocusConfig, FocusPolicy
 from vllm_diffusion.policies.standard import StandardConfig
+from vllm_diffusion.policies.strategy_unmasking import StrategyUnmasking
+from vllm_diffusion.policies.timestep_schedule import (SCHEDULE_RANKINGS, timestep_quota,
+                                                       timesteps)
 from vllm_diffusion.policies.unmasking import STRATEGIES, batched_choose_commits, choose_commits
+from vllm_diffusion.step.plans import CommitBatch
 from vllm_diffusion.step.hooks import LayerInput
 from vllm_diffusion.step.plans import BlockStepPlan
 from vllm_diffusion.step.request import DiffusionRequest
@@ -56,6 +60,13 @@ class ComputeEven(DecodingPolicy):
         keep[0] = True
         return BlockStepPlan(compute=torch.arange(self.block_size) % 2 == 0,
                              commit_recompute=keep)
+
+    def make_unmasking(self):
+        return CommitEveryMask()
+
+
+class CommitEveryMask(BlockUnmasking):
+    """Test decision: commits every masked position."""
 
     def choose_commits(self, batch):
         return batch.masked
@@ -143,7 +154,10 @@ def test_batched_commit_choice_matches_the_per_block_reference(name):
     configs = [StandardConfig(
         strategy=STRATEGIES[i % len(STRATEGIES)], threshold=[0.0, 0.5, 0.9, 1.0][i % 4],
         entropy_bound=[0.0, 0.3, 1.5, 100.0][i % 4],
-        denoising_steps=None if i % 3 else max(1, block // 2)) for i in range(rows)]
+        denoising_steps=None if i % 3 else max(1, block // 2),
+        # the schedule ranks by both algs where the grid has 2 rows per strategy
+        eps=[1e-3, 0.0, 0.25][i % 3], alg=SCHEDULE_RANKINGS[i // len(STRATEGIES) % 2])
+        for i in range(rows)]
     steps = torch.randint(0, block + 2, (rows,), generator=gen)
     entropy = torch.rand(rows, block, generator=gen) * 0.8
     got = batched_choose_commits(
@@ -151,11 +165,44 @@ def test_batched_commit_choice_matches_the_per_block_reference(name):
         torch.tensor([c.steps_for(block) for c in configs]),
         torch.tensor([STRATEGIES.index(c.strategy) for c in configs]),
         torch.tensor([c.threshold for c in configs]), entropy,
-        torch.tensor([c.entropy_bound for c in configs]))
+        torch.tensor([c.entropy_bound for c in configs]),
+        torch.tensor([c.eps for c in configs], dtype=torch.float64),
+        torch.tensor([SCHEDULE_RANKINGS.index(c.alg) for c in configs]))
     for i, config in enumerate(configs):
         want = choose_commits(confidence[i], masked[i], int(steps[i]), block, config,
                               entropy[i])
         assert got[i].tolist() == want.tolist(), (i, config)
+
+
+@pytest.mark.parametrize("eps", [1e-3, 0.0, 0.3, 1.0])
+def test_timestep_quota_is_the_published_transfer_count(eps):
+    from reference_dream import transfer_count
+
+    for steps in (1, 2, 3, 7, 8, 16, 33):
+        for masked in range(0, 40):
+            for step in range(steps):
+                assert timestep_quota(masked, step, steps, eps) == transfer_count(
+                    masked, step, torch.linspace(1, eps, steps + 1)), (steps, masked, step)
+    assert timesteps(4, 1e-3).dtype == torch.float32
+
+
+def test_scheduled_idle_steps_are_the_zero_quotas_before_the_last():
+    """As many steps as masks (8): the first step's quota is int(0.999) = 0, by design;
+    the last step commits every mask left; other strategies never idle."""
+    def request(strategy, step):
+        config = StandardConfig(strategy=strategy, denoising_steps=8)
+        return types.SimpleNamespace(policy_config=config,
+                                     canvas=types.SimpleNamespace(steps=step))
+
+    unmasking = StrategyUnmasking(8, MASK, None)
+    masked = torch.ones(4, 8, dtype=torch.bool)
+    masked[3] = False  # nothing to choose from: not a scheduled idle step
+    requests = [request("timestep_schedule", 0), request("timestep_schedule", 7),
+                request("low_confidence_static", 0), request("timestep_schedule", 0)]
+    batch = CommitBatch(requests, torch.rand(4, 8), masked)
+    assert unmasking.scheduled_idle(batch) == [True, False, False, False]
+    commits = unmasking.choose_commits(batch)
+    assert commits.sum(dim=1).tolist() == [0, 8, 1, 0]
 
 
 def eb_reference(confidence: list[float], masked: list[bool], entropy: list[float],

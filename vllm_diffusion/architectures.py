@@ -4,4 +4,6 @@ ARCHITECTURES = {
     "SDARForCausalLM": "vllm_diffusion.models.sdar:SDARForCausalLM",
     "SDARMoeForCausalLM": "vllm_diffusion.models.sdar:SDARMoeForCausalLM",
     "LLaDA2MoeModelLM": "vllm_diffusion.models.llada2:LLaDA2MoeModelLM",
+    "LLaDAModelLM": "vllm_diffusion.models.llada:LLaDAModelLM",
+    "DreamModel": "vllm_diffusion.models.dream:DreamModel",
 }

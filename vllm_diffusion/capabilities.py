@@ -26,8 +26,13 @@ class ModelCapabilities:
     attention: str = "block_causal"
     # the committed prefix's KV is exactly what a full recomputation would give
     exact_kv: bool = True
-    # position i's logits predict token i + 1 (autoregressive-initialised models)
+    # position i's logits predict token i + 1 (autoregressive-initialised models): a
+    # block's logits come from the rows one before it (served under full attention)
     shifted_logits: bool = False
+    # the published loop decodes the whole canvas (``max_new_tokens``) as one block: the
+    # family's configuration gives a block size that holds it, and a request's
+    # ``max_tokens`` is at most the block size (``request_refusal``)
+    whole_canvas: bool = False
     # (DELETE, SPLIT) ids where the model's edits move tokens within a block (the block
     # then decodes by a loop that can rewrite it); None where positions are fixed
     edit_tokens: tuple[int, int] | None = None
@@ -45,7 +50,17 @@ class ModelCapabilities:
 
     @property
     def needs_whole_blocks(self) -> bool:
-        return self.routing_block_size is not None
+        """Every forward computes whole blocks: experts are routed per block, or every
+        position attends to the whole sequence, which each step recomputes."""
+        return self.routing_block_size is not None or self.attention == "full"
+
+    def attention_span(self, block_size: int, max_model_len: int) -> int:
+        """The size of the aligned spans whose rows attend to each other and to every
+        earlier span: the diffusion block (block-causal), or a span holding the whole
+        sequence (full attention: every row of a request sees all of its keys)."""
+        if self.attention == "full":
+            return -(-max_model_len // block_size) * block_size
+        return block_size
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,11 +74,14 @@ class PolicyTraits:
     fixed_positions_only: str | None = "it does not run a loop whose edits move tokens"
     # whether it may drop rows inside the forward (grammar requests are never dropped)
     skips_rows: bool = False
+    # the attention regimes (``ModelCapabilities.attention``) it decodes under
+    attention_regimes: tuple[str, ...] = ("block_causal",)
 
 
-# What the engine's step serves today: the attention regimes its backend computes, and
-# logits that predict their own position over an exact committed prefix.
-SERVED_ATTENTION = ("block_causal",)
+# What the engine's step serves today: the attention regimes its backend computes, over an
+# exact committed prefix; logits that predict their own position, or (full attention
+# only, where the planner reads a block's logits from the rows one before it) the next.
+SERVED_ATTENTION = ("block_causal", "full")
 
 
 def model_refusal(model: ModelCapabilities) -> str | None:
@@ -71,7 +89,7 @@ def model_refusal(model: ModelCapabilities) -> str | None:
     if model.attention not in SERVED_ATTENTION:
         return (f"{model.family} attends {model.attention!r}; the engine serves "
                 f"{', '.join(map(repr, SERVED_ATTENTION))} attention")
-    if model.shifted_logits:
+    if model.shifted_logits and model.attention != "full":
         return f"{model.family}'s logits are shifted (position i predicts i + 1); not served"
     if not model.exact_kv:
         return f"{model.family} declares an approximate committed KV; not served"
@@ -86,14 +104,22 @@ def refusal(model: ModelCapabilities, policy: Any, options: Mapping[str, Any],
     ``options``), where an option that only applies to other models is refused;
     ``block_size``: the diffusion block size, checked where known (start-up)."""
     traits = policy.traits(options)
+    if model.attention not in traits.attention_regimes:
+        return (f"the {policy.name} policy cannot serve {model.family}, which attends "
+                f"{model.attention!r}: it decodes under "
+                f"{', '.join(map(repr, traits.attention_regimes))} attention only; use the "
+                f"standard policy")
     if model.needs_whole_blocks:
         routing = model.routing_block_size
         if traits.partial_blocks is not None:
+            why = (f"{model.family} chooses each routing block's experts from all of its "
+                   f"tokens" if routing is not None else
+                   f"every position of {model.family} attends to the whole sequence, "
+                   f"which each step recomputes")
             return (f"the {policy.name} policy cannot serve {model.family}: "
-                    f"{traits.partial_blocks} ({model.family} chooses each routing block's "
-                    f"experts from all of its tokens, so every forward must compute whole "
+                    f"{traits.partial_blocks} ({why}, so every forward must compute whole "
                     f"blocks)")
-        if block_size is not None and block_size % routing:
+        if routing is not None and block_size is not None and block_size % routing:
             return (f"{model.family} routes experts per block of {routing} tokens (config "
                     f"block_size); the diffusion block size ({block_size}) must be a "
                     f"multiple of it")
@@ -125,9 +151,20 @@ _FIXED_POSITION_FEATURES = (
 )
 
 
-def request_refusal(model: ModelCapabilities, params: Any) -> tuple[str, str] | None:
+def request_refusal(model: ModelCapabilities, params: Any, block_size: int | None = None
+                    ) -> tuple[str, str] | None:
     """(parameter, why) where ``params`` asks for what the model's decoding cannot give,
-    or None."""
+    or None. ``block_size``: the diffusion block size, which holds a whole-canvas
+    family's canvas (checked where ``params.max_tokens`` is set)."""
+    if (model.whole_canvas and block_size is not None and params.max_tokens is not None
+            and params.max_tokens > block_size):
+        return ("max_tokens", (
+            f"max_tokens ({params.max_tokens}) is larger than the diffusion block size "
+            f"({block_size}): {model.family} decodes the whole canvas of max_tokens "
+            f"positions as one block, as its published loop does (decoding a longer canvas "
+            f"block by block is not served yet); ask for at most {block_size} tokens, or "
+            f"serve a larger diffusion_block_size (with diffusion_canvas_tokens a multiple "
+            f"of it). An unset max_tokens is the model length minus the prompt"))
     if not model.moves_tokens:
         return None
     why = f"{model.family}'s edits move tokens within a block"

@@ -6,8 +6,11 @@ Engine-wide options come from ``--additional-config`` (``LLM(additional_config=.
 drops rows, for CUDA graphs), ``diffusion_max_steps_without_progress`` (a request that
 writes no token and ends no block in that many consecutive steps ends with an error),
 ``diffusion_logits_memory_mib`` (the memory a step's logits may take at once: they are
-computed and reduced to proposals in chunks of requests within it) and the chosen
-policy's options (``threshold``, ``strategy``, ...).
+computed and reduced to proposals in chunks of requests within it),
+``diffusion_canvas_tokens`` (full-attention models: how far a request's canvas of masks
+reaches past its current block's start, a multiple of the block size; a longer output
+decodes with the canvas sliding ahead block by block) and the chosen policy's options
+(``threshold``, ``strategy``, ...).
 Per-request overrides of the policy's options come from ``SamplingParams.extra_args``
 (OpenAI ``vllm_xargs``).
 
@@ -36,11 +39,16 @@ DEFAULT_LOGITS_MEMORY_MIB = 256
 # Every decoding the engine runs writes a token or ends a block in each step that computes
 # the leftmost undecided position of a request's block (the policies commit at least one
 # available position; a grammar commits its leftmost one); a step computing none of the
-# masked positions writes nothing. 64 leaves room far above any such run.
+# masked positions writes nothing. 64 leaves room far above any such run. A step that a
+# commit schedule leaves empty by design (``timestep_schedule``'s zero quotas,
+# ``BlockUnmasking.scheduled_idle``) is not counted: the schedule ends its block itself.
 DEFAULT_MAX_STEPS_WITHOUT_PROGRESS = 64
+# Full attention: the canvas a request's step computes past its current block's start
+# (the published loops' gen_length in their examples: 256 for LLaDA and Dream).
+DEFAULT_CANVAS_TOKENS = 256
 ENGINE_KEYS = ("diffusion_policy", "diffusion_block_size", "mask_token_id",
                "diffusion_logits_memory_mib", "diffusion_row_buckets",
-               "diffusion_max_steps_without_progress")
+               "diffusion_max_steps_without_progress", "diffusion_canvas_tokens")
 # Per-request keys that are not policy options; ``diffusion_policy`` is checked separately.
 REQUEST_KEYS = ("diffusion_policy", "return_step_map")
 _REQUEST_RULES = {"return_step_map": Rule(bool)}
@@ -69,6 +77,8 @@ class DiffusionEngineConfig:
     # What the served model's family declares it needs (``models/configs.py``), resolved
     # from its checkpoint at start-up
     model: ModelCapabilities = ModelCapabilities(family="an unnamed model")
+    # Full attention: the canvas's reach past the current block's start (``CanvasGeometry``)
+    canvas_tokens: int = DEFAULT_CANVAS_TOKENS
 
     @property
     def policy(self) -> type:
@@ -91,6 +101,7 @@ class DiffusionEngineConfig:
             "diffusion_logits_memory_mib": self.logits_memory_mib,
             "diffusion_row_buckets": self.row_buckets,
             "diffusion_max_steps_without_progress": self.max_steps_without_progress,
+            "diffusion_canvas_tokens": self.canvas_tokens,
             **dataclasses.asdict(self.policy_config),
         }
 
@@ -194,8 +205,14 @@ def parse_engine_options(values: Mapping[str, Any], *, config_block_size: int | 
         "diffusion_max_steps_without_progress",
         values.pop("diffusion_max_steps_without_progress", DEFAULT_MAX_STEPS_WITHOUT_PROGRESS),
         source)
+    canvas_tokens = Rule(int, low=1, high=1 << 20).check(
+        "diffusion_canvas_tokens", values.pop("diffusion_canvas_tokens", DEFAULT_CANVAS_TOKENS),
+        source)
     options = set(option_names(policy.config_cls))
     model = model or ModelCapabilities(family="an unnamed model")
+    if model.attention == "full" and canvas_tokens % block_size:
+        raise OptionError(f"{source}: option 'diffusion_canvas_tokens' must be a multiple of "
+                          f"the diffusion block size ({block_size}), got {canvas_tokens}")
     values = {**{k: v for k, v in model.option_defaults.items() if k in options}, **values}
     valid = set(ENGINE_KEYS) | options
     unknown = sorted(set(values) - valid, key=repr)
@@ -208,7 +225,7 @@ def parse_engine_options(values: Mapping[str, Any], *, config_block_size: int | 
     policy_config.validate_for_block(block_size, source)
     return DiffusionEngineConfig(policy_name, block_size, mask_token_id, policy_config,
                                  logits_memory_mib, row_buckets,
-                                 max_steps_without_progress, model)
+                                 max_steps_without_progress, model, canvas_tokens)
 
 
 def engine_config_from_vllm(vllm_config: Any) -> DiffusionEngineConfig:

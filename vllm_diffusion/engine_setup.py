@@ -28,6 +28,9 @@ GPU_WORKER_CLS = "vllm_diffusion.worker.gpu_worker.DiffusionGPUWorker"
 
 
 CPU_KV_CACHE_BYTES = 1 << 30  # when none is given on CPU
+# Full attention: the step budget raised to at most this many rows by default (a larger
+# --max-num-batched-tokens batches more whole sequences per step)
+FULL_ATTENTION_BATCHED_TOKENS = 16384
 
 # The mask token's text in checkpoints whose tokenizer does not name a mask_token.
 MASK_TOKEN_TEXTS = ("<|mask|>",)
@@ -91,7 +94,15 @@ class DiffusionModelConfigHook(VerifyAndUpdateConfig):
         store_resolved(vllm_config, config)
 
         block = config.block_size
-        if model_config.max_model_len % block:
+        full_attention = model.attention == "full"
+        if full_attention and vllm_config.cache_config.enable_prefix_caching:
+            # A prompt's KV depends on the canvas after it (every position attends to every
+            # other), so no request's KV can serve another's prompt.
+            logger.info("vllm-diffusion: prefix caching disabled: %s attends over the whole "
+                        "sequence, so a prompt's KV depends on the canvas after it",
+                        model.family)
+            vllm_config.cache_config.enable_prefix_caching = False
+        if not full_attention and model_config.max_model_len % block:
             raise ValueError(
                 f"max_model_len ({model_config.max_model_len}) must be a multiple of the "
                 f"diffusion block size ({block}); use --max-model-len "
@@ -137,12 +148,21 @@ class DiffusionModelConfigHook(VerifyAndUpdateConfig):
                 f"block-diffusion model; leave it unset")
         scheduler_config.scheduler_cls = SCHEDULER_CLS
         scheduler_config.async_scheduling = False
-        # A step commits one block and denoises the next for every running request.
-        needed = 2 * block * scheduler_config.max_num_seqs
+        if full_attention:
+            # A step computes each running request's whole sequence (at most max_model_len
+            # rows); requests past the step's budget wait for a later step.
+            needed = max(model_config.max_model_len, min(
+                FULL_ATTENTION_BATCHED_TOKENS,
+                model_config.max_model_len * scheduler_config.max_num_seqs))
+            why = "full attention: whole sequences of max_num_seqs requests, up to %d" % (
+                FULL_ATTENTION_BATCHED_TOKENS)
+        else:
+            # A step commits one block and denoises the next for every running request.
+            needed = 2 * block * scheduler_config.max_num_seqs
+            why = "2 * diffusion block size * max_num_seqs"
         if scheduler_config.max_num_batched_tokens < needed:
-            logger.info("vllm-diffusion: raising max_num_batched_tokens from %d to %d "
-                        "(2 * diffusion block size * max_num_seqs)",
-                        scheduler_config.max_num_batched_tokens, needed)
+            logger.info("vllm-diffusion: raising max_num_batched_tokens from %d to %d (%s)",
+                        scheduler_config.max_num_batched_tokens, needed, why)
             scheduler_config.max_num_batched_tokens = needed
         if (scheduler_config.max_num_scheduled_tokens or needed) < needed:
             scheduler_config.max_num_scheduled_tokens = needed

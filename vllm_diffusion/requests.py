@@ -78,10 +78,7 @@ def validate_sampling_params(params: Any, config: DiffusionEngineConfig) -> None
                       given=params.extra_args or {})
     if refused is not None:
         raise VLLMValidationError(f"extra_args: {refused}", parameter="extra_args")
-    refused_parameter = request_refusal(model, params)
-    if refused_parameter is not None:
-        parameter, why = refused_parameter
-        raise VLLMValidationError(why, parameter=parameter)
+    _refuse_for_model(params, config)
     _check_structured_outputs(params, config, policy_config)
     if params.n > 1 and wants_step_map(params.extra_args):
         # vLLM's responses keep only the first choice's kv_transfer_params, which carry
@@ -90,6 +87,14 @@ def validate_sampling_params(params: Any, config: DiffusionEngineConfig) -> None
             f"return_step_map requires n=1 (got n={params.n}): the step map travels in "
             "kv_transfer_params, which the response carries for one choice only",
             parameter="n", value=params.n)
+
+
+def _refuse_for_model(params: Any, config: DiffusionEngineConfig) -> None:
+    """What the served family's decoding cannot give (``capabilities.request_refusal``)."""
+    refused = request_refusal(config.model, params, config.block_size)
+    if refused is not None:
+        parameter, why = refused
+        raise VLLMValidationError(why, parameter=parameter)
 
 
 def _check_structured_outputs(params: Any, config: DiffusionEngineConfig,
@@ -116,11 +121,14 @@ def _check_structured_outputs(params: Any, config: DiffusionEngineConfig,
 
 
 def validate_satisfiable(params: Any, config: DiffusionEngineConfig, vocab_size: int) -> None:
-    """After vLLM resolved the request's stop tokens and bad words' tokenizations: refuse
-    what leaves no token for the first output position whatever the model proposes --
+    """After vLLM resolved the request's stop tokens, bad words' tokenizations and an
+    unset ``max_tokens`` (the model length minus the prompt): refuse what the family's
+    decoding cannot give for the resolved values (a whole-canvas family's ``max_tokens``),
+    and what leaves no token for the first output position whatever the model proposes --
     ``allowed_token_ids`` minus the mask token and every one-token bad word, minus the
     stop tokens while ``min_tokens`` bars them. (What a grammar or neighbouring tokens
     bar is known only in the step, which ends such a request with an error.)"""
+    _refuse_for_model(params, config)
     allowed = None if params.allowed_token_ids is None else set(params.allowed_token_ids)
     barred = {config.mask_token_id}
     why = ["the mask token"]

@@ -3,7 +3,8 @@
 ``RecordingPolicy`` wraps the engine's policy and delegates the whole policy interface to
 it. Its forward hooks also compute, before the attention of layers 0 and 1, the importance
 (``vllm_diffusion.kernels.importance``) of each request's masked block positions, and its
-``choose_commits`` appends one record per request and step: the absolute positions, the
+decision's ``choose_commits`` (``RecordingUnmasking``, wrapping the inner policy's
+``unmasking``) appends one record per request and step: the absolute positions, the
 importance delta I1 - I0, the raw layer-1 importance, and which of the positions the
 wrapped policy decoded. The wrapped policy's own hooks run unchanged after the recording.
 
@@ -21,7 +22,7 @@ import torch
 
 from vllm_diffusion.attention.importance import step_candidate_importance
 from vllm_diffusion.capabilities import PolicyTraits
-from vllm_diffusion.policies.base import DecodingPolicy
+from vllm_diffusion.policies.base import BlockUnmasking, DecodingPolicy
 from vllm_diffusion.step.hooks import (ForwardStep, LayerHooks, LayerInput, RowSelection,
                                        StepHooks)
 from vllm_diffusion.step.plans import BlockStepPlan, CommitBatch, EditBatch
@@ -87,6 +88,7 @@ class RecordingPolicy(DecodingPolicy):
         self.inner = inner
         self.records: list[dict[str, list]] = []
         self.current: RecordingHooks | None = None
+        self.recording_unmasking = self.make_unmasking()
 
     # The attributes of the interface, read from the inner policy.
     @property
@@ -119,7 +121,8 @@ class RecordingPolicy(DecodingPolicy):
             raise AttributeError(attribute)
         return getattr(self.inner, attribute)
 
-    # The interface's methods: the inner's, with recording added at two of them.
+    # The interface's methods: the inner's, with recording added at the hooks and (through
+    # ``unmasking``) the commit choice.
     @property
     def model(self) -> Any:
         return self.inner.model
@@ -146,36 +149,17 @@ class RecordingPolicy(DecodingPolicy):
         self.current = RecordingHooks(step, self.inner.forward_hooks(step), self.mask_token_id)
         return self.current
 
-    def wants_entropy(self, requests: list[DiffusionRequest]) -> bool:
-        return self.inner.wants_entropy(requests)
+    @property
+    def unmasking(self) -> RecordingUnmasking:
+        return self.recording_unmasking
 
-    def choose_commits(self, batch: CommitBatch) -> torch.Tensor:
-        commits = self.inner.choose_commits(batch)
-        for request, commit in zip(batch.requests, commits):
-            self.record(request, commit)
-        return commits
-
-    def edits_tokens(self, request: DiffusionRequest) -> bool:
-        return self.inner.edits_tokens(request)
-
-    def choose_edits(self, batch: EditBatch) -> torch.Tensor | None:
-        return self.inner.choose_edits(batch)
+    def make_unmasking(self) -> RecordingUnmasking:
+        return RecordingUnmasking(self)
 
     @classmethod
     def traits(cls, options: Any) -> PolicyTraits:
         return PolicyTraits(partial_blocks="importance recording studies decoding on fixed "
                             "positions with whole-block forwards only")
-
-    def ranked_proposals(self) -> int:
-        return self.inner.ranked_proposals()
-
-    def rewrite_block(self, request: DiffusionRequest, old: torch.Tensor,
-                      proposals: torch.Tensor, confidence: torch.Tensor,
-                      ranked: torch.Tensor) -> Any:
-        return self.inner.rewrite_block(request, old, proposals, confidence, ranked)
-
-    def block_ends(self, request: DiffusionRequest, edited: bool, began_unmasked: bool) -> bool:
-        return self.inner.block_ends(request, edited, began_unmasked)
 
     def after_step(self, request: DiffusionRequest, masked_before: torch.Tensor,
                    computed: torch.Tensor, num_decoded: int) -> None:
@@ -203,6 +187,47 @@ class RecordingPolicy(DecodingPolicy):
             "positions": (request.canvas.start + torch.nonzero(masked).flatten()).tolist(),
             "delta": delta.tolist(), "layer1": layer1.tolist(),
             "decoded": commit[masked].tolist()})
+
+
+class RecordingUnmasking(BlockUnmasking):
+    """The inner policy's decision (read from it at each call, so a rebound inner policy's
+    applies), recording each request's step at the commit choice."""
+
+    def __init__(self, policy: RecordingPolicy) -> None:
+        self.policy = policy
+
+    @property
+    def inner(self) -> BlockUnmasking:
+        return self.policy.inner.unmasking
+
+    def wants_entropy(self, requests: list[DiffusionRequest]) -> bool:
+        return self.inner.wants_entropy(requests)
+
+    def choose_commits(self, batch: CommitBatch) -> torch.Tensor:
+        commits = self.inner.choose_commits(batch)
+        for request, commit in zip(batch.requests, commits):
+            self.policy.record(request, commit)
+        return commits
+
+    def scheduled_idle(self, batch: CommitBatch) -> list[bool]:
+        return self.inner.scheduled_idle(batch)
+
+    def edits_tokens(self, request: DiffusionRequest) -> bool:
+        return self.inner.edits_tokens(request)
+
+    def choose_edits(self, batch: EditBatch) -> torch.Tensor | None:
+        return self.inner.choose_edits(batch)
+
+    def ranked_proposals(self) -> int:
+        return self.inner.ranked_proposals()
+
+    def rewrite_block(self, request: DiffusionRequest, old: torch.Tensor,
+                      proposals: torch.Tensor, confidence: torch.Tensor,
+                      ranked: torch.Tensor) -> Any:
+        return self.inner.rewrite_block(request, old, proposals, confidence, ranked)
+
+    def block_ends(self, request: DiffusionRequest, edited: bool, began_unmasked: bool) -> bool:
+        return self.inner.block_ends(request, edited, began_unmasked)
 
 
 def wrap_worker_policy(worker: Any) -> None:

@@ -1,8 +1,11 @@
-"""Hugging Face configuration classes for SDAR and LLaDA2 checkpoints.
+"""Hugging Face configuration classes for SDAR and LLaDA2 checkpoints, and the registry of
+every family's configuration and capabilities.
 
 SDAR is Qwen3 (and SDAR-MoE is Qwen3-MoE) with a block-diffusion mask and a mask token;
-LLaDA2 is the Ling-2.0 (BailingMoeV2) architecture with one. Registering these lets
-``model_type: sdar`` / ``sdar_moe`` / ``llada2_moe`` load without remote code.
+LLaDA2 is the Ling-2.0 (BailingMoeV2) architecture with one; the full-attention families
+(LLaDA 1.x, Dream) are in ``full_attention_configs``. Registering these lets
+``model_type: sdar`` / ``sdar_moe`` / ``llada2_moe`` / ``llada`` / ``Dream`` load without
+remote code.
 """
 
 from typing import Any
@@ -10,6 +13,8 @@ from typing import Any
 from transformers import PretrainedConfig, Qwen3Config, Qwen3MoeConfig
 
 from vllm_diffusion.capabilities import ModelCapabilities
+from vllm_diffusion.models.full_attention_configs import (FULL_ATTENTION_CAPABILITIES,
+                                                          DreamConfig, LLaDAConfig)
 
 
 class SDARConfig(Qwen3Config):
@@ -148,6 +153,7 @@ FAMILY_CAPABILITIES = {
     SDARConfig.model_type: lambda config: ModelCapabilities(family="SDAR"),
     SDARMoeConfig.model_type: lambda config: ModelCapabilities(family="SDAR-MoE"),
     LLaDA2MoeConfig.model_type: _llada2_capabilities,
+    **FULL_ATTENTION_CAPABILITIES,
 }
 
 
@@ -168,3 +174,5 @@ def register_hf_configs() -> None:
     AutoConfig.register(SDARConfig.model_type, SDARConfig, exist_ok=True)
     AutoConfig.register(SDARMoeConfig.model_type, SDARMoeConfig, exist_ok=True)
     AutoConfig.register(LLaDA2MoeConfig.model_type, LLaDA2MoeConfig, exist_ok=True)
+    AutoConfig.register(LLaDAConfig.model_type, LLaDAConfig, exist_ok=True)
+    AutoConfig.register(DreamConfig.model_type, DreamConfig, exist_ok=True)

@@ -61,12 +61,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 from typing import ClassVar
 
 import torch
 
 from vllm_diffusion.options import Rule, option
-from vllm_diffusion.policies.base import DecodingPolicy, PolicyConfig
+from vllm_diffusion.policies.base import BlockUnmasking, DecodingPolicy, PolicyConfig
 from vllm_diffusion.policies.block_cache import RULES, IntraBlockCache
 from vllm_diffusion.step.plans import WHOLE_BLOCK, BlockStepPlan, CommitBatch
 from vllm_diffusion.step.request import DiffusionRequest
@@ -177,6 +178,39 @@ class AdaState:
 AdaRequest = DiffusionRequest[AdaConfig, AdaState]
 
 
+class AdaUnmasking(BlockUnmasking[AdaConfig, AdaState]):
+    """Ada-DLM's decision: commits the positions it freezes (``batched_freeze_positions``)
+    from each request's confidence history, which it updates in the policy's history
+    tables (``history_table``: history length -> its table)."""
+
+    def __init__(self, history_table: Callable[[int], SlotTable]) -> None:
+        self.history_table = history_table
+
+    def choose_commits(self, batch: CommitBatch) -> torch.Tensor:
+        states = [r.policy_state for r in batch.requests]
+        slots = slot_index(batch.requests)  # [R]
+        lengths = sorted({s.history_steps for s in states})
+        commits = torch.zeros_like(batch.masked)
+        for length in lengths:  # one batch per history length
+            group = [i for i, s in enumerate(states) if s.history_steps == length]
+            masked, confidence = batch.masked[group], batch.confidence[group]
+            group_slots = slots[group]
+            table = self.history_table(length).covering(group_slots)  # [S, B, h]
+            previous = table[group_slots]  # [R', B, h]
+            shifted = torch.cat([confidence[..., None], previous[..., :-1]], dim=2)
+            history = torch.where(masked[..., None], shifted, previous)
+            configs = [batch.requests[i].policy_config for i in group]
+            capacity = torch.tensor([c.capacity for c in configs], dtype=torch.float64)
+            floor = torch.tensor([c.confidence_floor for c in configs], dtype=torch.float64)
+            static = torch.tensor([math.nan if c.static_threshold is None
+                                   else c.static_threshold for c in configs],
+                                  dtype=torch.float64)
+            commits[group] = batched_freeze_positions(confidence, masked, history, capacity,
+                                                      floor, static)
+            table[group_slots] = history
+        return commits
+
+
 class AdaPolicy(DecodingPolicy[AdaConfig, AdaState]):
     name: ClassVar[str] = "ada"
     config_cls: ClassVar[type] = AdaConfig
@@ -210,29 +244,8 @@ class AdaPolicy(DecodingPolicy[AdaConfig, AdaState]):
             return WHOLE_BLOCK
         return BlockStepPlan(request.policy_state.cache.processing_set())
 
-    def choose_commits(self, batch: CommitBatch) -> torch.Tensor:
-        states = [r.policy_state for r in batch.requests]
-        slots = slot_index(batch.requests)  # [R]
-        lengths = sorted({s.history_steps for s in states})
-        commits = torch.zeros_like(batch.masked)
-        for length in lengths:  # one batch per history length
-            group = [i for i, s in enumerate(states) if s.history_steps == length]
-            masked, confidence = batch.masked[group], batch.confidence[group]
-            group_slots = slots[group]
-            table = self.history_table(length).covering(group_slots)  # [S, B, h]
-            previous = table[group_slots]  # [R', B, h]
-            shifted = torch.cat([confidence[..., None], previous[..., :-1]], dim=2)
-            history = torch.where(masked[..., None], shifted, previous)
-            configs = [batch.requests[i].policy_config for i in group]
-            capacity = torch.tensor([c.capacity for c in configs], dtype=torch.float64)
-            floor = torch.tensor([c.confidence_floor for c in configs], dtype=torch.float64)
-            static = torch.tensor([math.nan if c.static_threshold is None
-                                   else c.static_threshold for c in configs],
-                                  dtype=torch.float64)
-            commits[group] = batched_freeze_positions(confidence, masked, history, capacity,
-                                                      floor, static)
-            table[group_slots] = history
-        return commits
+    def make_unmasking(self) -> AdaUnmasking:
+        return AdaUnmasking(self.history_table)
 
     def after_step(self, request: AdaRequest, masked_before: torch.Tensor,
                    computed: torch.Tensor, num_decoded: int) -> None:

@@ -75,7 +75,7 @@ from vllm_diffusion.policies.chunk_statistics import (
 )
 from vllm_diffusion.policies.chunk_window import ChunkConfig, ChunkWindow
 from vllm_diffusion.policies.latency_model import LatencyProfile, OnlineLatency, model_identity
-from vllm_diffusion.policies.unmasking import StrategyPolicy
+from vllm_diffusion.policies.strategy_unmasking import StrategyPolicy
 from vllm_diffusion.step.hooks import ForwardStep
 from vllm_diffusion.step.plans import BlockStepPlan
 from vllm_diffusion.step.request import DiffusionRequest

@@ -64,12 +64,14 @@ from typing import Any, ClassVar
 import torch
 
 from vllm_diffusion.options import OptionError, Rule, option
-from vllm_diffusion.policies.unmasking import StrategyConfig, StrategyPolicy
+from vllm_diffusion.policies.es_state import EsSlotState, EsState, EsUnmasking
+from vllm_diffusion.policies.strategy_unmasking import StrategyPolicy
+from vllm_diffusion.policies.unmasking import StrategyConfig
 from vllm_diffusion.step.hooks import (ForwardStep, LayerHooks, LayerInput, RowSelection,
                                        StepHooks)
-from vllm_diffusion.step.plans import WHOLE_BLOCK, BlockStepPlan, CommitBatch
+from vllm_diffusion.step.plans import WHOLE_BLOCK, BlockStepPlan
 from vllm_diffusion.step.request import DiffusionRequest
-from vllm_diffusion.step.slots import SlotTable, block_tokens, slot_index
+from vllm_diffusion.step.slots import block_tokens, slot_index
 
 PAPER_DEPTHS = (1 / 8, 1 / 4)
 VARIATION_EPS = 1e-6  # added to the L2 norm (the authors' code)
@@ -125,49 +127,6 @@ def keep_count(num_computed: int, depth: int, skip_ratio: float, decoded_last_st
     if keep_floor:
         count = max(count, min(decoded_last_step + 2, num_computed))
     return max(count, 1)
-
-
-@dataclasses.dataclass
-class EsState:
-    """Per request: where its block stands. Its per-position state is its slot's rows of
-    the policy's ``EsSlotState``."""
-
-    full_step: bool = True  # this step computes every position through every layer
-    kv_lost: bool = True  # no step has computed the block since its KV was (re)allocated
-    started: bool = False  # a block started: the slot's rows hold its decision state
-    # The slot's cached outputs still hold an earlier block's (or request's): zeroed
-    # by the next forward's hooks, before any is read
-    stale_outputs: bool = True
-
-
-class EsSlotState:
-    """The decision state of every request, one row per slot (``step.slots``)."""
-
-    def __init__(self, block_size: int) -> None:
-        self.block_size = block_size
-        # [S, B] float32 (host): each position's confidence at the last step it reached
-        # the logits
-        self.confidence = SlotTable((block_size,), torch.float32)
-        # [S, B] bool (host): the positions the previous step decoded
-        self.decoded_last_step = SlotTable((block_size,), torch.bool)
-        # layer -> [S, B, hidden] float32 (model device): each position's last output of
-        # the layer; made at the first forward that reaches the layer
-        self.outputs: dict[int, SlotTable] = {}
-
-    def start_block(self, slot: int) -> None:
-        self.confidence.reset(slot)
-        self.decoded_last_step.reset(slot)
-
-    def outputs_of(self, layer: int, output: torch.Tensor, slots: torch.Tensor
-                   ) -> torch.Tensor:
-        """[S, B, d] the cached outputs of ``layer`` (zeros where none yet), covering
-        ``slots``; output: [n, d] a step's outputs of the layer (its width and device)."""
-        table = self.outputs.get(layer)
-        if table is None:
-            table = self.outputs[layer] = SlotTable(
-                (self.block_size, output.shape[1]), torch.float32,
-                device=output.device)
-        return table.covering(slots)
 
 
 def variation(hidden: torch.Tensor, previous: torch.Tensor) -> torch.Tensor:
@@ -351,17 +310,5 @@ class EsPolicy(StrategyPolicy[EsConfig, EsState]):
             return None
         return EsHooks(step, self.skip_layers, self.mask_token_id, self.slot_state)
 
-    def choose_commits(self, batch: CommitBatch) -> torch.Tensor:
-        """The strategy's commits among computed positions; then records every computed
-        position's confidence (0 where it was already decoded, or is decoded now) and the
-        decoded positions for the next step."""
-        commits = super().choose_commits(batch)
-        slots = slot_index(batch.requests)  # [R]
-        confidence = self.slot_state.confidence.covering(slots)  # [S, B]
-        computed = batch.confidence > float("-inf")  # [R, B]
-        observed = torch.where(batch.masked & ~commits, batch.confidence, 0.0)
-        confidence[slots] = torch.where(computed, observed, confidence[slots])
-        self.slot_state.decoded_last_step.covering(slots)[slots] = commits
-        for request in batch.requests:
-            request.policy_state.kv_lost = False
-        return commits
+    def make_unmasking(self) -> EsUnmasking:
+        return EsUnmasking(self.block_size, self.mask_token_id, self.model, self.slot_state)

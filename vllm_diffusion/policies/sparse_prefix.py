@@ -34,7 +34,8 @@ from typing import Any, ClassVar
 import torch
 
 from vllm_diffusion.options import OptionError, Rule, option
-from vllm_diffusion.policies.unmasking import StrategyConfig, StrategyPolicy
+from vllm_diffusion.policies.strategy_unmasking import StrategyPolicy
+from vllm_diffusion.policies.unmasking import StrategyConfig
 from vllm_diffusion.step.hooks import ForwardStep, LayerHooks, LayerInput, StepHooks
 from vllm_diffusion.step.keys import KeyScoring, KeySelection, RowSplit, SelectedPrefix
 from vllm_diffusion.step.request import DiffusionRequest

@@ -12,7 +12,7 @@ import torch
 
 from vllm_diffusion.capabilities import PolicyTraits
 from vllm_diffusion.policies.chunk_window import ChunkConfig, ChunkWindow
-from vllm_diffusion.policies.unmasking import StrategyPolicy
+from vllm_diffusion.policies.strategy_unmasking import StrategyPolicy
 from vllm_diffusion.step.plans import BlockStepPlan
 from vllm_diffusion.step.request import DiffusionRequest
 
@@ -33,7 +33,7 @@ class StandardPolicy(StrategyPolicy[StandardConfig, ChunkWindow]):
         chunked = options.get("chunk_size") is not None or options.get("chunk_reuse", False)
         return dataclasses.replace(super().traits(options), partial_blocks=(
             "options 'chunk_size' and 'chunk_reuse' compute part of a block in a forward; "
-            "remove them") if chunked else None)
+            "remove them") if chunked else None, attention_regimes=("block_causal", "full"))
 
     def new_state(self, config: StandardConfig) -> ChunkWindow:
         return ChunkWindow(self.block_size)

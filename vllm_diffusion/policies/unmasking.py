@@ -14,34 +14,37 @@ Following SDAR's published ``generate.py`` and LMDeploy:
   position per step. Entropy: of each position's proposal distribution (greedy: the
   softmax of its processed logits; sampled: the scaled, filtered distribution drawn
   from).
+- ``timestep_schedule`` (Dream's ``diffusion_generate``): at step s of ``denoising_steps``
+  (the published ``steps``), the top ``int(M * (1 - t_{s+1} / t_s))`` of the M masked
+  positions over the timesteps ``linspace(1, eps, steps + 1)``, ranked by ``alg``
+  (``maskgit_plus``: confidence; ``entropy``: negative entropy); see
+  ``timestep_schedule.py``. Some of its steps commit nothing by design.
 
 The quota of step ``s`` spreads the block over ``denoising_steps`` steps
 (``B // steps`` plus one for the first ``B % steps`` steps), so every strategy finishes a
-block within ``denoising_steps`` steps; ``threshold`` and ``entropy_bounded`` commit everything left at
-their last allowed step.
+block within ``denoising_steps`` steps; ``threshold``, ``entropy_bounded`` and
+``timestep_schedule`` commit everything left at their last allowed step.
 
-``StrategyPolicy`` is the base of the policies that unmask by one of these (the commit
-choice and LLaDA2.1 token editing; what to compute is each policy's own).
+``strategy_unmasking.StrategyUnmasking`` is the engine's decision by these (with LLaDA2.1
+token editing), and ``strategy_unmasking.StrategyPolicy`` the base of the policies that
+decide by it.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
-from typing import Any, ClassVar, Generic, TypeVar
+from typing import ClassVar
 
 import torch
 
-from vllm_diffusion.capabilities import PolicyTraits
 from vllm_diffusion.options import OptionError, Rule, option
-from vllm_diffusion.policies.base import DecodingPolicy, PolicyConfig
-from vllm_diffusion.policies.joint_editing import (ALTERNATIVES, EditTokens, JointBlockState,
-                                                   JointStep, joint_step)
-from vllm_diffusion.step.plans import CommitBatch, EditBatch
-from vllm_diffusion.step.request import DiffusionRequest
+from vllm_diffusion.policies.base import PolicyConfig
+from vllm_diffusion.policies.timestep_schedule import (SCHEDULE_RANKINGS, UNSERVED_ALGS,
+                                                       batched_timestep_quota,
+                                                       schedule_score, timestep_quota)
 
 STRATEGIES = ("low_confidence_dynamic", "low_confidence_static", "sequential", "threshold",
-              "entropy_bounded")
+              "entropy_bounded", "timestep_schedule")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,6 +60,12 @@ class StrategyConfig(PolicyConfig):
     # gamma of ``entropy_bounded`` (nats); 0.1 as the public EB-sampler implementations
     # default to (the paper sweeps 1e-3 to 1)
     entropy_bound: float = option(0.1, Rule(float, low=0.0, high=1e6))
+    # ``timestep_schedule`` (Dream's ``diffusion_generate``): the last of the timesteps
+    # ``linspace(1, eps, steps + 1)``, and the published ``alg`` ranking the masks
+    # (``maskgit_plus``, ``entropy``; ``topk_margin`` and ``origin`` are refused)
+    eps: float = option(1e-3, Rule(float, low=0.0, high=1.0))
+    alg: str = option("maskgit_plus", Rule(str, choices=(*SCHEDULE_RANKINGS,
+                                                         *UNSERVED_ALGS)))
     # Cap on denoising steps per block; None means one step per block position.
     denoising_steps: int | None = option(None, Rule(int, low=1, high=4096, optional=True))
     # LLaDA2.1 token editing: a filled position of the current block takes the model's
@@ -75,6 +84,11 @@ class StrategyConfig(PolicyConfig):
     max_steps_per_block_limit: int = option(1000, Rule(int, low=1, high=100000))
 
     def validate_for_block(self, block_size: int, source: str) -> None:
+        if self.alg in UNSERVED_ALGS:
+            raise OptionError(
+                f"{source}: option 'alg' {self.alg!r} is not served: "
+                f"{UNSERVED_ALGS[self.alg]}; use one of "
+                f"{', '.join(map(repr, SCHEDULE_RANKINGS))}")
         if self.max_post_steps > self.max_post_steps_limit:
             raise OptionError(
                 f"{source}: option 'max_post_steps' must be at most the engine's "
@@ -121,9 +135,10 @@ def choose_commits(confidence: torch.Tensor, masked: torch.Tensor, step: int,
 
     confidence: [B] float, the probability of each position's proposed token.
     masked:     [B] bool, positions still holding the mask token.
-    entropy:    [B] float, each position's proposal entropy (``entropy_bounded`` only).
+    entropy:    [B] float, each position's proposal entropy (``entropy_bounded`` and
+                ``timestep_schedule`` with ``alg`` ``entropy`` only).
     Returns a [B] bool tensor; only masked positions are ever chosen, at least one if any
-    position is masked.
+    position is masked (``timestep_schedule``: none at a step its schedule leaves empty).
     """
     num_masked = int(masked.sum())
     commit = torch.zeros_like(masked)
@@ -161,6 +176,11 @@ def choose_commits(confidence: torch.Tensor, masked: torch.Tensor, step: int,
                 break
             count += 1
         commit[order[:count]] = True
+    elif strategy == "timestep_schedule":
+        count = timestep_quota(num_masked, step, steps, config.eps)
+        score = confidence if config.alg == "maskgit_plus" else -entropy
+        score = torch.where(masked, score, torch.full_like(score, float("-inf")))
+        commit[top_by_confidence(score, count)] = True
     else:  # parse_options restricts strategy to STRATEGIES
         raise AssertionError(strategy)
     return commit
@@ -170,13 +190,17 @@ def batched_choose_commits(confidence: torch.Tensor, masked: torch.Tensor,
                            steps_taken: torch.Tensor, steps_allowed: torch.Tensor,
                            strategy: torch.Tensor, threshold: torch.Tensor,
                            entropy: torch.Tensor | None = None,
-                           entropy_bound: torch.Tensor | None = None) -> torch.Tensor:
+                           entropy_bound: torch.Tensor | None = None,
+                           eps: torch.Tensor | None = None,
+                           alg: torch.Tensor | None = None) -> torch.Tensor:
     """``choose_commits`` for R blocks at once (the engine's path; tested against it).
 
     confidence, masked: [R, B]; steps_taken (the block's step), steps_allowed (its
     ``steps_for``), strategy (index into ``STRATEGIES``): [R] int64; threshold: [R] float;
     entropy: [R, B] and entropy_bound: [R] float (needed where a block uses
-    ``entropy_bounded``).
+    ``entropy_bounded``); eps: [R] float64 and alg: [R] int64 (an index into
+    ``SCHEDULE_RANKINGS``) where a block uses ``timestep_schedule`` (with entropy where
+    its alg is ``entropy``).
     """
     num_rows, block = masked.shape
     num_masked = masked.sum(dim=1)
@@ -207,80 +231,22 @@ def batched_choose_commits(confidence: torch.Tensor, masked: torch.Tensor,
         within = (spread <= entropy_bound[:, None]) & masked.gather(1, order)
         count = within.sum(dim=1, keepdim=True).clamp(min=1)
         entropy_bounded = torch.where(last_step, masked, (rank < count) & masked)
+    scheduled = strategy == STRATEGIES.index("timestep_schedule")  # [R]
+    if bool(scheduled.any()):
+        if eps is None or alg is None:
+            raise ValueError("the timestep_schedule strategy needs each block's eps and "
+                             "alg")
+        scheduled_count = batched_timestep_quota(num_masked, steps_taken, steps_allowed,
+                                                 eps, scheduled)[:, None]  # [R, 1]
+        score = schedule_score(confidence, entropy, torch.where(scheduled, alg, 0))
+        score = torch.where(masked, score, torch.full_like(score, float("-inf")))
+        by_score = torch.sort(score, dim=1, descending=True, stable=True).indices
+        score_rank = torch.empty_like(by_score).scatter_(
+            1, by_score, torch.arange(block).expand(num_rows, block).contiguous())
+        timestep = (score_rank < scheduled_count) & masked
+    else:
+        timestep = torch.zeros_like(masked)
     choices = torch.stack([dynamic, top, sequential, by_threshold,
-                           entropy_bounded])  # STRATEGIES order
+                           entropy_bounded, timestep])  # STRATEGIES order
     return choices[strategy, torch.arange(num_rows)]
 
-
-StrategyConfigT = TypeVar("StrategyConfigT", bound=StrategyConfig)
-StateT = TypeVar("StateT")
-
-
-class StrategyPolicy(DecodingPolicy[StrategyConfigT, StateT],
-                     Generic[StrategyConfigT, StateT]):
-    """Base of the policies that unmask by one of ``STRATEGIES`` (the commit choice only;
-    what to compute is each policy's own), with LLaDA2.1 token editing where a request
-    asks for it (``editing_threshold``)."""
-
-    @classmethod
-    def traits(cls, options: Mapping[str, Any]) -> PolicyTraits:
-        """Blocks whose tokens move decode by the rewriting loop (``joint_editing``),
-        which unmasks by its own rule."""
-        strategy = options.get("strategy", "low_confidence_dynamic")
-        return dataclasses.replace(super().traits(options), fixed_positions_only=(
-            None if strategy == "low_confidence_dynamic" else
-            "option 'strategy': the rewriting loop unmasks by its own rule (its threshold "
-            "and quota schedule); remove it"))
-
-    def ranked_proposals(self) -> int:
-        return ALTERNATIVES if self.model.moves_tokens else 0
-
-    def rewrite_block(self, request: DiffusionRequest[StrategyConfigT, StateT],
-                      old: torch.Tensor, proposals: torch.Tensor, confidence: torch.Tensor,
-                      ranked: torch.Tensor) -> JointStep:
-        canvas, config = request.canvas, request.policy_config
-        if canvas.rewrite_state is None:
-            canvas.rewrite_state = JointBlockState.start(canvas.tokens, self.mask_token_id,
-                                                 config.steps_for(self.block_size))
-        return joint_step(canvas.rewrite_state, old, proposals, confidence, ranked, canvas.steps,
-                          config, self.mask_token_id, EditTokens(*self.model.edit_tokens))
-
-    def edits_tokens(self, request: DiffusionRequest[StrategyConfigT, StateT]) -> bool:
-        return (self.model.moves_tokens
-                or request.policy_config.editing_threshold is not None)
-
-    def choose_edits(self, batch: EditBatch) -> torch.Tensor | None:
-        limits = [r.policy_config.editing_threshold for r in batch.requests]
-        if all(limit is None for limit in limits):
-            return None
-        limit = torch.tensor([float("inf") if x is None else x for x in limits])
-        return (batch.filled & (batch.proposals != batch.tokens)
-                & (batch.confidence > limit[:, None]))
-
-    def block_ends(self, request: DiffusionRequest[StrategyConfigT, StateT],
-                   edited: bool, began_unmasked: bool) -> bool:
-        """Without editing, as soon as no mask is left. With editing, as LLaDA2.1's loop,
-        which looks for masks at the start of each step: the step that fills the block's
-        last mask is followed by post steps (steps that begin with no mask), and the block
-        ends after a post step that edits nothing or after ``max_post_steps`` of them
-        (with 0, right after the last mask is filled)."""
-        config = request.policy_config
-        if config.editing_threshold is None:
-            return True
-        if not began_unmasked:
-            return config.max_post_steps == 0
-        return not edited or request.canvas.post_steps >= config.max_post_steps
-
-    def wants_entropy(self, requests: list[DiffusionRequest[StrategyConfigT, StateT]]) -> bool:
-        return any(r.policy_config.strategy == "entropy_bounded" for r in requests)
-
-    def choose_commits(self, batch: CommitBatch) -> torch.Tensor:
-        configs = [r.policy_config for r in batch.requests]
-        return batched_choose_commits(
-            batch.confidence, batch.masked,
-            torch.tensor([r.canvas.steps for r in batch.requests], dtype=torch.long),
-            torch.tensor([c.steps_for(self.block_size) for c in configs], dtype=torch.long),
-            torch.tensor([STRATEGIES.index(c.strategy) for c in configs], dtype=torch.long),
-            torch.tensor([c.threshold for c in configs], dtype=torch.float32),
-            batch.entropy,
-            torch.tensor([c.entropy_bound for c in configs], dtype=torch.float32))

@@ -36,7 +36,8 @@ class UnsatisfiableRequest(RequestFailure):
 
 class NoProgress(RequestFailure):
     """The request wrote no token and ended no block for the engine's limit of
-    consecutive denoising steps (``diffusion_max_steps_without_progress``)."""
+    consecutive denoising steps (``diffusion_max_steps_without_progress``; steps its
+    commit schedule leaves empty by design are not counted)."""
 
     status = 500
 
@@ -63,12 +64,17 @@ class Failure:
         return Failure(500, f"{type(err).__name__} while {doing}: {err}")
 
 
-def count_progress(request: Any, progressed: bool, limit: int) -> None:
+def count_progress(request: Any, progressed: bool, limit: int,
+                   scheduled_idle: bool = False) -> None:
     """After one of the request's denoising steps (``request``: its ``DiffusionRequest``):
     raise ``NoProgress`` once it has written no token and ended no block for ``limit``
-    consecutive steps."""
+    consecutive steps. A step its commit schedule left empty by design
+    (``scheduled_idle``, ``BlockUnmasking.scheduled_idle``) neither counts nor resets:
+    the schedule itself bounds such steps."""
     if progressed:
         request.steps_without_progress = 0
+        return
+    if scheduled_idle:
         return
     request.steps_without_progress += 1
     if request.steps_without_progress >= limit:

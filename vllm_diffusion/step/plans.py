@@ -36,7 +36,7 @@ class CommitBatch:
     proposal, -inf where not proposed; masked: [R, B] bool, masked positions that were
     computed through every layer (the only ones that may be chosen); entropy: [R, B]
     float32 (host) of each proposal's distribution, where the policy asked for it
-    (``wants_entropy``), else None."""
+    (``BlockUnmasking.wants_entropy``), else None."""
 
     requests: list[DiffusionRequest]
     confidence: torch.Tensor

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from vllm_diffusion.policies.base import DecodingPolicy
+from vllm_diffusion.policies.base import BlockUnmasking, DecodingPolicy
 from vllm_diffusion.step.failures import count_progress
 from vllm_diffusion.step.plans import CommitBatch, EditBatch
 from vllm_diffusion.step.request import DiffusionRequest
@@ -67,6 +67,11 @@ class BlockUpdates:
         return self.runner.policy
 
     @property
+    def unmasking(self) -> BlockUnmasking:
+        """The policy's decision (``DecodingPolicy.unmasking``)."""
+        return self.runner.policy.unmasking
+
+    @property
     def mask_token_id(self) -> int:
         return self.runner.diffusion.mask_token_id
 
@@ -98,14 +103,15 @@ class BlockUpdates:
         commit_inputs = (confidence, available)
         if step.with_entropy:
             commit_inputs = (*commit_inputs, grid.entropy)
-        commits = _ask_policy(self.policy.choose_commits, CommitBatch, requests,
+        commits = _ask_policy(self.unmasking.choose_commits, CommitBatch, requests,
                               commit_inputs, failures, "choosing its commits")
+        scheduled_idle = self.unmasking.scheduled_idle(CommitBatch(requests, *commit_inputs))
         if grammar.active:
             grammar.include_first(commits)
         tokens_before = step.tokens
         tokens_after = torch.where(commits, proposals, tokens_before)
         filled = usable & step.filled
-        edits = _ask_policy(self.policy.choose_edits, EditBatch, requests,
+        edits = _ask_policy(self.unmasking.choose_edits, EditBatch, requests,
                             (confidence, proposals, tokens_before, filled), failures,
                             "choosing its edits")
         if edits is not None:
@@ -124,7 +130,8 @@ class BlockUpdates:
         return StepDecisions(commits, edits, tokens_after, masked, grid.computed,
                              commits.sum(dim=1).tolist(), tokens_after.tolist(),
                              (tokens_after != self.mask_token_id).all(dim=1).tolist(),
-                             edits.sum(dim=1).tolist(), (~masked.any(dim=1)).tolist())
+                             edits.sum(dim=1).tolist(), (~masked.any(dim=1)).tolist(),
+                             scheduled_idle)
 
     def apply(self, step: ProposedBlocks, decisions: StepDecisions,
               failures: StepFailures) -> dict[str, EmittedTokens]:
@@ -144,7 +151,7 @@ class BlockUpdates:
 
     def rewrite(self, step: ProposedBlocks, failures: StepFailures
                 ) -> dict[str, EmittedTokens]:
-        """A step of blocks whose tokens may move (``policy.rewrite_block``), each block
+        """A step of blocks whose tokens may move (``unmasking.rewrite_block``), each block
         alone; its proposals and confidence [R, B], ranked [R, B, r], computed whole."""
         emitted: dict[str, EmittedTokens] = {}
         grid, stats = step.grid, self.stats
@@ -155,8 +162,8 @@ class BlockUpdates:
             with failures.isolated(req_id, "rewriting its block"):
                 request, canvas = block.rows.request, block.rows.canvas
                 masked, old = step.masked[i], step.tokens[i]
-                rewritten = self.policy.rewrite_block(request, old, grid.tokens[i],
-                                                      grid.confidence[i], grid.ranked[i])
+                rewritten = self.unmasking.rewrite_block(request, old, grid.tokens[i],
+                                                         grid.confidence[i], grid.ranked[i])
                 canvas.commit(rewritten.changed, rewritten.tokens_written,
                               began_unmasked=not bool(masked.any()))
                 canvas.rearrange(rewritten.source, rewritten.tokens)
@@ -168,7 +175,7 @@ class BlockUpdates:
                     block, state, rewritten.ended, masked, grid.computed[i],
                     int((rewritten.changed & masked).sum()),
                     int((rewritten.changed & ~masked).sum()) + moved,
-                    canvas.tokens.tolist())
+                    canvas.tokens.tolist(), scheduled_idle=False)
         return emitted
 
     def _unmask(self, block: DenoisedBlock, state: Any, decisions: StepDecisions, i: int,
@@ -180,26 +187,29 @@ class BlockUpdates:
         canvas.commit(changed, decisions.tokens_after[i],
                       began_unmasked=decisions.began_unmasked[i], logprobs=logprobs)
         block_done = (decisions.no_mask_left[i]
-                      and self.policy.block_ends(request, decisions.num_edited[i] > 0,
-                                                 decisions.began_unmasked[i]))
+                      and self.unmasking.block_ends(request, decisions.num_edited[i] > 0,
+                                                    decisions.began_unmasked[i]))
         canvas.final_kv = (block_done and not bool(changed.any())
                            and bool(decisions.computed[i].all()))
         return self._finish_step(block, state, block_done, decisions.masked[i],
                                  decisions.computed[i], decisions.num_decoded[i],
-                                 decisions.num_edited[i], decisions.token_lists[i])
+                                 decisions.num_edited[i], decisions.token_lists[i],
+                                 decisions.scheduled_idle[i])
 
     def _finish_step(self, block: DenoisedBlock, state: Any, block_done: bool,
                      masked: torch.Tensor, computed: torch.Tensor, num_decoded: int,
-                     num_edited: int, tokens: list[int]) -> EmittedTokens:
+                     num_edited: int, tokens: list[int],
+                     scheduled_idle: bool) -> EmittedTokens:
         """After a block's step (its canvas updated): tell the policy, emit the newly
         final tokens (``tokens``: the block now; the decoded run after the known tokens,
-        or, while its tokens may still change, nothing until the block ends), count."""
+        or, while its tokens may still change, nothing until the block ends), count
+        (``scheduled_idle``: the block's schedule left the step empty by design)."""
         request, canvas = block.rows.request, block.rows.canvas
         self.policy.after_step(request, masked, computed, num_decoded)
         if block_done:
             self.policy.on_block_complete(request)
         num_known = len(state.prompt_token_ids) + len(state.output_token_ids)
-        if not block_done and self.policy.edits_tokens(request):
+        if not block_done and self.unmasking.edits_tokens(request):
             decoded = []
         else:
             decoded = emit_final_tokens(tokens, canvas.start, num_known, self.mask_token_id)
@@ -219,7 +229,7 @@ class BlockUpdates:
         canvas.edits += num_edited
         stats.edited_blocks_completed += int(block_done and canvas.edits > 0)
         count_progress(request, bool(num_decoded or num_edited or block_done),
-                       self.max_steps_without_progress)
+                       self.max_steps_without_progress, scheduled_idle)
         offset = num_known - canvas.start
         return EmittedTokens(
             final,

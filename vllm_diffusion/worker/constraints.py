@@ -71,6 +71,8 @@ def unsatisfiable_blocks(invalid: torch.Tensor, masked: torch.Tensor, computed: 
     (block, position, code) for each block that cannot go on: its leftmost undecided
     position was computed and flagged (or, with ``rewrites``, any computed position)."""
     flagged = (invalid != ROW_VALID) & computed
+    if not bool(flagged.any()):  # the usual step
+        return []
     if rewrites:
         needed = flagged
     else:

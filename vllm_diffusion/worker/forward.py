@@ -36,6 +36,9 @@ class StepForward:
         # (found at the first step: the KV cache is configured after the runner is built)
         self._layer_names: list[str] | None = None
         self._planner = None
+        # the spans whose rows attend to each other (the block, or the whole sequence)
+        self.attention_span = runner.diffusion.model.attention_span(
+            runner.diffusion.block_size, runner.vllm_config.model_config.max_model_len)
 
     def _attention_layers(self) -> list[str]:
         if self._layer_names is None:
@@ -62,7 +65,7 @@ class StepForward:
         step_rows = StepRows(query_positions=positions, slot_mapping=inputs.slots.to(device),
                              query_start_loc=inputs.query_start_loc, kv_lens=inputs.kv_lens)
         views = LayerViews(self._attention_layers(), inputs.block_table.to(device),
-                           diffusion.block_size, self._planner)
+                           self.attention_span, self._planner)
         # Steps without hooks run the model as vLLM built it (compiled unless eager), every
         # layer reading one view; steps with hooks run the layers between hook points as
         # pieces compiled by the model (``models/layer_segments.py``), the hooks eagerly

@@ -1,10 +1,14 @@
-"""Block geometry of a block-diffusion request: the one place positions map to blocks.
+"""Where a request's positions fall into blocks: the one place positions map to blocks.
+
+``BlockGeometry`` (block-causal attention):
 
 For a request with known tokens F (prompt plus emitted output) and block size B, the
 current block is ``[F // B * B, F // B * B + B)``; a step that schedules ``[C, C + N)``
 either reaches the known tokens (it commits everything before the current block and
 denoises that block) or is a partial prefill chunk (it commits its whole blocks only).
 The scheduler sizes steps and the runner plans them with these same functions.
+
+``CanvasGeometry`` (full attention): see its docstring.
 """
 
 from __future__ import annotations
@@ -23,6 +27,10 @@ class BlockGeometry:
     def block_end(self, num_tokens: int) -> int:
         return self.block_start(num_tokens) + self.block_size
 
+    def step_end(self, num_prompt: int, num_tokens: int, max_tokens: int) -> int:
+        """One past the last position a step computes for a request: its block's end."""
+        return self.block_end(num_tokens)
+
     def reaches_block(self, num_computed: int, num_scheduled: int, num_tokens: int) -> bool:
         """Whether a step scheduling ``[num_computed, + num_scheduled)`` denoises the block
         (otherwise it is a partial prefill chunk)."""
@@ -40,3 +48,40 @@ class BlockGeometry:
             raise RuntimeError(
                 f"request {req_id}: committed prefix {num_computed} is not on a diffusion "
                 f"block boundary ({self.block_size})")
+
+
+@dataclasses.dataclass(frozen=True)
+class CanvasGeometry:
+    """Full attention: a request's sequence is its prompt (P tokens) and a canvas of masks
+    after it, every position attending to every other, so every step computes the whole
+    sequence ``[0, canvas end)`` and nothing is committed (no KV is reused: the published
+    loops recompute it all). The canvas is decoded in blocks of ``block_size`` from the
+    prompt's end (``[P + k B, P + (k + 1) B)``, LLaDA's semi-autoregressive blocks); the
+    canvas holds ``max_tokens`` positions (the published ``gen_length``), but reaches at
+    most ``canvas_tokens`` past the current block's start (a longer output decodes with
+    the canvas sliding ahead block by block) and never past ``max_model_len``; a last
+    block reaching past the canvas's end is decided there (those positions are neither
+    computed nor output)."""
+
+    block_size: int
+    canvas_tokens: int  # a multiple of block_size
+    max_model_len: int
+
+    def block_start(self, num_prompt: int, num_tokens: int) -> int:
+        """Start of the block holding the next undecided position (``num_tokens``: prompt
+        plus emitted output)."""
+        return num_prompt + (num_tokens - num_prompt) // self.block_size * self.block_size
+
+    def step_end(self, num_prompt: int, num_tokens: int, max_tokens: int) -> int:
+        """One past the canvas's last position this step."""
+        return min(num_prompt + max_tokens,
+                   self.block_start(num_prompt, num_tokens) + self.canvas_tokens,
+                   self.max_model_len)
+
+
+def step_geometry(attention: str, block_size: int, canvas_tokens: int, max_model_len: int
+                  ) -> BlockGeometry | CanvasGeometry:
+    """The geometry of the served model's attention regime (``ModelCapabilities.attention``)."""
+    if attention == "full":
+        return CanvasGeometry(block_size, canvas_tokens, max_model_len)
+    return BlockGeometry(block_size)

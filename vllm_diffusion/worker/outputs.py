@@ -122,3 +122,6 @@ class StepDecisions:
     no_mask_left: list[bool]
     num_edited: list[int]  # filled positions given a new token, per block
     began_unmasked: list[bool]  # the step started with no masked position
+    # the block's commit schedule left this step empty by design
+    # (``BlockUnmasking.scheduled_idle``): not a step without progress
+    scheduled_idle: list[bool]

@@ -12,8 +12,8 @@ input preparation and sampling with the block-diffusion step:
 - propose: tokens for the block positions that reached the last layer, within each
   request's constraints (``proposal.py``), as [R, B] grids; the blocks themselves are
   read as one index of the slots' [S, B] tensors by the blocks' slots;
-- decide: the policy's commits and edits for all blocks at once, or its rewriting of
-  blocks whose tokens move (``block_updates.py``);
+- decide: the policy's decision (``policy.unmasking``): the commits and edits of all
+  blocks at once, or its rewriting of blocks whose tokens move (``block_updates.py``);
 - emit: each block's newly final tokens, as this step's output.
 
 A request whose host-side work fails is finished alone with an error
@@ -35,7 +35,8 @@ from vllm_diffusion.step.slots import BlockSlots, slot_index
 from vllm_diffusion.worker.block_updates import BlockUpdates, ProposedBlocks
 from vllm_diffusion.worker.constraints import unsatisfiable_blocks, unsatisfiable_message
 from vllm_diffusion.worker.forward import StepForward
-from vllm_diffusion.worker.geometry import BlockGeometry
+from vllm_diffusion.worker.canvas_plan import step_planner
+from vllm_diffusion.worker.geometry import step_geometry
 from vllm_diffusion.worker.grammar import GrammarCompiler, GrammarStep
 from vllm_diffusion.worker.logprobs import to_vllm_lists, wants_logprobs
 from vllm_diffusion.worker.outputs import (DiffusionRunnerOutput, DiffusionStats,
@@ -45,7 +46,7 @@ from vllm_diffusion.worker.proposal_grid import scatter_to_host
 from vllm_diffusion.worker.row_context import RowContext
 from vllm_diffusion.worker.step_failures import StepFailures
 from vllm_diffusion.worker.step_plan import (KnownTokens, RequestRows, denoised_blocks,
-                                             forward_step, plan_request, stop_tokens)
+                                             forward_step, stop_tokens)
 
 class DiffusionRunnerMixin:
     """Mixed into vLLM's ``GPUModelRunner`` / ``CPUModelRunner``."""
@@ -53,7 +54,12 @@ class DiffusionRunnerMixin:
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.diffusion = engine_config_from_vllm(self.vllm_config)
-        self.geometry = BlockGeometry(self.diffusion.block_size)
+        # where positions fall into blocks, and what a step computes, under the model's
+        # attention regime (``geometry.py``)
+        self.planner = step_planner(step_geometry(
+            self.diffusion.model.attention, self.diffusion.block_size,
+            self.diffusion.canvas_tokens, self.vllm_config.model_config.max_model_len),
+            self.diffusion.mask_token_id, self.diffusion.model)
         self.policy = self.diffusion.make_policy()
         hf_config = self.vllm_config.model_config.hf_config
         self.policy.bind(self.diffusion.model, hf_config,
@@ -63,7 +69,7 @@ class DiffusionRunnerMixin:
             chunk_rows(self.diffusion.logits_memory_mib,
                        self.vllm_config.model_config.get_vocab_size()),
             self.vllm_config.model_config.logprobs_mode,
-            ranked=self.policy.ranked_proposals())
+            ranked=self.policy.unmasking.ranked_proposals())
         self.diffusion_requests: dict[str, DiffusionRequest] = {}
         # every live request's current block, one row per slot (grown past max_num_seqs
         # when preempted requests hold slots too)
@@ -113,12 +119,13 @@ class DiffusionRunnerMixin:
         rows = self._prepare(req_ids, scheduler_output, failures)
         emitted: dict[str, EmittedTokens] = {}
         layer_rows: list[int] = []
-        if rows:
-            step = forward_step(rows, self.device)
+        computed = [r for r in rows if r.positions]  # a part-scheduled sequence waits
+        if computed:
+            step = forward_step(computed, self.device)
             hidden_states, out_rows, layer_rows = self.step_forward.run(
-                rows, step, self.policy.forward_hooks(step),
-                [self.requests[r.req_id].block_ids[0] for r in rows])
-            proposed = self._propose(rows, step, hidden_states, out_rows, failures)
+                computed, step, self.policy.forward_hooks(step),
+                [self.requests[r.req_id].block_ids[0] for r in computed])
+            proposed = self._propose(computed, step, hidden_states, out_rows, failures)
             if proposed is not None and proposed.grid.ranked is not None:
                 emitted = self.updates.rewrite(proposed, failures)  # tokens move
             elif proposed is not None:
@@ -142,11 +149,10 @@ class DiffusionRunnerMixin:
             req_id = request.req_id
             state = self.requests[req_id]
             with failures.isolated(req_id, "planning its step"):
-                rows.append(plan_request(
+                rows.append(self.planner.plan(
                     req_id, KnownTokens(state.prompt_token_ids, state.output_token_ids),
                     state.num_computed_tokens, scheduler_output.num_scheduled_tokens[req_id],
-                    self.geometry, self.diffusion.mask_token_id, request, self.policy,
-                    req_id in resumed))
+                    request, self.policy, req_id in resumed, state.sampling_params.max_tokens))
         return rows
 
     def _request_state(self, req_id: str) -> DiffusionRequest:
@@ -187,7 +193,7 @@ class DiffusionRunnerMixin:
         params = [s.sampling_params for s in states]
         context = RowContext.of([b.rows.canvas for b in blocks], states, where, mask_id)
         requests = [b.rows.request for b in blocks]
-        with_entropy = self.policy.wants_entropy(requests)
+        with_entropy = self.policy.unmasking.wants_entropy(requests)
         slots = slot_index(requests)  # [R]
         tokens = self.block_slots.tokens[slots]  # [R, B] the blocks before the step
         masked = tokens == mask_id

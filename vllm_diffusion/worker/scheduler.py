@@ -16,6 +16,12 @@ block's undecided positions are presented as placeholder "spec" tokens (and drop
 the output before the runner sees them: there are no drafts to verify). A new request's
 first step is its prompt's full blocks fused with the first denoising step of the block
 holding the prompt tail; ``num_lookahead_tokens = B`` makes vLLM allocate KV pages for it.
+
+Full attention (``geometry.CanvasGeometry``): nothing is committed (C is rolled back to 0),
+and every step schedules the request's whole sequence ``[0, canvas end)``, the canvas
+positions past the known tokens presented as placeholders the same way; a new request's
+first step reaches the canvas's end, and ``num_lookahead_tokens`` (the canvas's reach)
+makes vLLM allocate its pages.
 """
 
 from __future__ import annotations
@@ -31,7 +37,7 @@ from vllm.v1.spec_decode.metrics import SpecDecodingStats
 
 from vllm_diffusion.config import STEP_MAP_KEY, engine_config_from_vllm
 from vllm_diffusion.metrics import StepCounters, encode_counters
-from vllm_diffusion.worker.geometry import BlockGeometry
+from vllm_diffusion.worker.geometry import CanvasGeometry, step_geometry
 from vllm_diffusion.worker.outputs import DiffusionRunnerOutput, require_diffusion_output
 
 logger = init_logger(__name__)
@@ -57,8 +63,19 @@ class BlockDiffusionScheduler(Scheduler):
         super().__init__(*args, **kwargs)
         config = engine_config_from_vllm(self.vllm_config)
         self.diffusion_block_size = block = config.block_size
-        self.geometry = BlockGeometry(block)
+        self.geometry = step_geometry(config.model.attention, block, config.canvas_tokens,
+                                      self.max_model_len)
         self.mask_token_id = config.mask_token_id
+        if isinstance(self.geometry, CanvasGeometry):
+            if self.max_num_scheduled_tokens < self.max_model_len:
+                raise ValueError(
+                    f"max_num_batched_tokens ({self.max_num_scheduled_tokens}) must be at "
+                    f"least max_model_len ({self.max_model_len}): a full-attention step "
+                    f"computes a request's whole sequence")
+            self.num_sampled_tokens_per_step = 0
+            self.num_lookahead_tokens = config.canvas_tokens
+            self._step_stats = None
+            return
         if self.block_size % block:
             raise ValueError(
                 f"the KV page size (--block-size {self.block_size}) must be a multiple of "
@@ -78,8 +95,9 @@ class BlockDiffusionScheduler(Scheduler):
 
     def schedule(self, throttle_prefills: bool = False) -> SchedulerOutput:
         for request in self.running:
-            block_end = self.geometry.block_end(request.num_tokens)
-            request.spec_token_ids = [self.mask_token_id] * (block_end - request.num_tokens)
+            step_end = self.geometry.step_end(request.num_prompt_tokens, request.num_tokens,
+                                              request.max_tokens)
+            request.spec_token_ids = [self.mask_token_id] * max(step_end - request.num_tokens, 0)
         output = super().schedule(throttle_prefills)
         # The placeholders only sized the step; the runner owns the block's contents.
         output.scheduled_spec_decode_tokens.clear()

@@ -49,9 +49,11 @@ class RequestRows:
     kv_len: int
     committed: int  # the committed prefix once this step ran
     request: DiffusionRequest | None  # None: prefill-only rows, no logits
-    # [n] block-relative positions computed this step (the request's last n rows)
+    # [n] block-relative positions computed this step: the request's last n rows, or the n
+    # rows from ``block_row_start`` where later rows follow the block (full attention)
     block_positions: torch.Tensor | None = None
     reused_commit: bool = False  # the block it commits keeps its last forward's KV
+    block_row_start: int | None = None  # the block's first row among the request's rows
 
     @property
     def canvas(self) -> BlockCanvas | None:
@@ -105,7 +107,7 @@ def plan_request(req_id: str, token_ids: KnownTokens | list[int], num_computed: 
         return RequestRows(
             req_id, commit + list(range(block_start, block_start + block_size)),
             commit_tokens + canvas.tokens.tolist(), kv_len, committed, request,
-            _whole_block(block_size), reused)
+            whole_block(block_size), reused)
     computed = torch.nonzero(plan.compute).flatten()
     return RequestRows(
         req_id, commit + (computed + block_start).tolist(),
@@ -113,8 +115,21 @@ def plan_request(req_id: str, token_ids: KnownTokens | list[int], num_computed: 
         computed, reused)
 
 
+class BlockPlanner:
+    """Plans block-causal steps (``plan_request``) for the runner."""
+
+    def __init__(self, geometry: BlockGeometry, mask_token_id: int) -> None:
+        self.geometry, self.mask_token_id = geometry, mask_token_id
+
+    def plan(self, req_id: str, token_ids: KnownTokens, num_computed: int, num_scheduled: int,
+             request: DiffusionRequest, policy: DecodingPolicy, resumed: bool,
+             max_tokens: int) -> RequestRows:
+        return plan_request(req_id, token_ids, num_computed, num_scheduled, self.geometry,
+                            self.mask_token_id, request, policy, resumed)
+
+
 @functools.lru_cache(maxsize=8)
-def _whole_block(block_size: int) -> torch.Tensor:
+def whole_block(block_size: int) -> torch.Tensor:
     """[B] int64: 0..B-1 (shared, never written)."""
     return torch.arange(block_size)
 
@@ -128,9 +143,11 @@ def forward_step(rows: list[RequestRows], device: torch.device) -> ForwardStep:
         if r.request is None:
             requests.append(StepRequest(None, span, None, None))
             continue
-        first_block_row = span.stop - len(r.block_positions)
+        first_block_row = (span.stop - len(r.block_positions) if r.block_row_start is None
+                           else span.start + r.block_row_start)
         requests.append(StepRequest(r.request, span,
-                                    torch.arange(first_block_row, span.stop),
+                                    torch.arange(first_block_row,
+                                                 first_block_row + len(r.block_positions)),
                                     r.block_positions))
     return ForwardStep(requests, offset, device)
 

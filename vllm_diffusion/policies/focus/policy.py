@@ -36,7 +36,8 @@ from vllm_diffusion.kernels.selection import CONTEXT_RULES
 from vllm_diffusion.options import OptionError, Rule, option
 from vllm_diffusion.policies.block_cache import IntraBlockCache
 from vllm_diffusion.policies.focus.hooks import FocusStepHooks
-from vllm_diffusion.policies.unmasking import STRATEGIES, StrategyConfig, StrategyPolicy
+from vllm_diffusion.policies.strategy_unmasking import StrategyPolicy
+from vllm_diffusion.policies.unmasking import STRATEGIES, StrategyConfig
 from vllm_diffusion.step.hooks import ForwardStep, StepHooks
 from vllm_diffusion.step.plans import WHOLE_BLOCK, BlockStepPlan
 from vllm_diffusion.step.request import DiffusionRequest

@@ -1,0 +1,91 @@
+"""What one denoising step computes for a full-attention request (``CanvasGeometry``).
+
+Every position attends to every other, so a step computes the request's whole sequence:
+its known tokens (prompt and emitted output) before the current block, the block's canvas
+(decided tokens and masks), then masks to the canvas's end. Keys reach the canvas's end,
+nothing is committed (the published loops recompute every position at every step), and
+logits are made for the block's rows only: the canvas past the block is never decoded
+before its block (LLaDA's semi-autoregressive blocks). Where the model's logits are
+shifted (``ModelCapabilities.shifted_logits``: Dream's position j is predicted by row
+j - 1), the block's logits come from the rows one before it: from the last known token's
+row (vLLM refuses an empty prompt, so a block never starts at row 0).
+
+A request that vLLM's token budget scheduled only part of (a step shared by more
+sequences than the budget holds) computes nothing this step and waits for a later one:
+no part of a full-attention sequence can be computed alone.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from vllm_diffusion.capabilities import ModelCapabilities
+from vllm_diffusion.policies.base import DecodingPolicy
+from vllm_diffusion.step.request import DiffusionRequest
+from vllm_diffusion.worker.geometry import BlockGeometry, CanvasGeometry
+from vllm_diffusion.worker.step_plan import BlockPlanner, KnownTokens, RequestRows, whole_block
+
+# The token standing at a block's positions past the canvas's end (max_tokens or
+# max_model_len): decided from the block's start, never computed and never output (the
+# request ends at max_tokens before them).
+PAST_CANVAS_TOKEN = 0
+
+
+def plan_canvas_request(req_id: str, token_ids: KnownTokens, num_computed: int,
+                        num_scheduled: int, geometry: CanvasGeometry, mask_token_id: int,
+                        request: DiffusionRequest, policy: DecodingPolicy, resumed: bool,
+                        max_tokens: int, logits_shift: int = 0) -> RequestRows:
+    """Rows of one full-attention request for this step; moves it to its current block.
+    ``logits_shift``: how many rows before its position a position's logits are (1 where
+    the model's logits are shifted, else 0)."""
+    num_prompt, num_tokens = len(token_ids.prompt), len(token_ids)
+    if num_computed + num_scheduled < num_tokens:
+        return RequestRows(req_id, [], [], 0, 0, None)
+    block_size = geometry.block_size
+    block_start = geometry.block_start(num_prompt, num_tokens)
+    end = geometry.step_end(num_prompt, num_tokens, max_tokens)
+    block_end = min(block_start + block_size, end)
+    previous = request.canvas
+    canvas = request.block_for(block_start, token_ids[block_start:], block_size,
+                               mask_token_id)
+    if canvas is not previous:
+        canvas.tokens[block_end - block_start:] = PAST_CANVAS_TOKEN
+    if canvas is not previous or resumed:
+        policy.start_block(request, resumed=canvas is previous)
+    plan = policy.plan_step(request)
+    if plan.compute is not None or plan.key_end is not None:
+        raise RuntimeError(f"the {policy.name} policy planned part of a block of a "
+                           f"full-attention model (its traits should have refused it)")
+    computed = block_end - block_start
+    tokens = (token_ids[0:block_start] + canvas.tokens[:computed].tolist()
+              + [mask_token_id] * (end - block_end))
+    return RequestRows(req_id, list(range(end)), tokens, end, 0, request,
+                       whole_block(block_size) if computed == block_size
+                       else torch.arange(computed), block_row_start=block_start - logits_shift)
+
+
+class CanvasPlanner:
+    """Plans full-attention steps (``plan_canvas_request``) for the runner; a shifted
+    model's block logits are read one row earlier (``logits_shift`` 1)."""
+
+    def __init__(self, geometry: CanvasGeometry, mask_token_id: int,
+                 logits_shift: int = 0) -> None:
+        self.geometry, self.mask_token_id = geometry, mask_token_id
+        self.logits_shift = logits_shift
+
+    def plan(self, req_id: str, token_ids: KnownTokens, num_computed: int, num_scheduled: int,
+             request: DiffusionRequest, policy: DecodingPolicy, resumed: bool,
+             max_tokens: int) -> RequestRows:
+        return plan_canvas_request(req_id, token_ids, num_computed, num_scheduled,
+                                   self.geometry, mask_token_id=self.mask_token_id,
+                                   request=request, policy=policy, resumed=resumed,
+                                   max_tokens=max_tokens, logits_shift=self.logits_shift)
+
+
+def step_planner(geometry: BlockGeometry | CanvasGeometry, mask_token_id: int,
+                 model: ModelCapabilities) -> BlockPlanner | CanvasPlanner:
+    """The planner of the served model's geometry (``model``: its capabilities; shifted
+    logits are served under full attention only, ``capabilities.model_refusal``)."""
+    if isinstance(geometry, CanvasGeometry):
+        return CanvasPlanner(geometry, mask_token_id, int(model.shifted_logits))
+    return BlockPlanner(geometry, mask_token_id)
