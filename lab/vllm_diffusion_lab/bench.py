@@ -61,3 +61,53 @@ def autoregressive_copy(checkpoint: pathlib.Path, into: pathlib.Path) -> pathlib
         config.pop(key, None)
     (target / "config.json").write_text(json.dumps(config, indent=2))
     return target
+
+
+# LLaDA's published weight names -> Llama's (vLLM's ``LlamaForCausalLM``), in order: the
+# output layer before the blocks' ``ff_out``
+LLADA_TO_LLAMA = (("model.transformer.ff_out.", "lm_head."),
+                  ("model.transformer.wte.", "model.embed_tokens."),
+                  ("model.transformer.ln_f.", "model.norm."),
+                  ("model.transformer.blocks.", "model.layers."),
+                  (".attn_norm.", ".input_layernorm."), (".ff_norm.", ".post_attention_layernorm."),
+                  (".q_proj.", ".self_attn.q_proj."), (".k_proj.", ".self_attn.k_proj."),
+                  (".v_proj.", ".self_attn.v_proj."), (".attn_out.", ".self_attn.o_proj."),
+                  (".ff_proj.", ".mlp.gate_proj."), (".up_proj.", ".mlp.up_proj."),
+                  (".ff_out.", ".mlp.down_proj."))
+
+
+def llama_copy(checkpoint: pathlib.Path, into: pathlib.Path) -> pathlib.Path:
+    """A LLaDA 1.x checkpoint (``block_type: llama``) as ``LlamaForCausalLM``: the same
+    weights under Llama's names (its network is Llama's without the causal mask), decoded
+    autoregressively by stock vLLM."""
+    from safetensors.torch import load_file, save_file
+
+    target = into / "autoregressive-llama"
+    target.mkdir(parents=True, exist_ok=True)
+    for item in checkpoint.iterdir():
+        if item.name not in ("config.json", "model.safetensors"):
+            shutil.copy(item, target / item.name)
+    weights = {}
+    for name, tensor in load_file(checkpoint / "model.safetensors").items():
+        for old, new in LLADA_TO_LLAMA:
+            name = name.replace(old, new, 1) if old in name else name
+        weights[name] = tensor
+    save_file(weights, target / "model.safetensors")
+    source = json.loads((checkpoint / "config.json").read_text())
+    heads = source["n_heads"]
+    config = {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+        "hidden_size": source["d_model"], "num_attention_heads": heads,
+        "num_key_value_heads": source.get("n_kv_heads") or heads,
+        "num_hidden_layers": source["n_layers"],
+        "intermediate_size": source["mlp_hidden_size"],
+        "head_dim": source["d_model"] // heads, "hidden_act": "silu",
+        "rms_norm_eps": source["rms_norm_eps"], "rope_theta": source["rope_theta"],
+        "vocab_size": source.get("embedding_size") or source["vocab_size"],
+        "max_position_embeddings": source["max_sequence_length"],
+        "tie_word_embeddings": bool(source.get("weight_tying")),
+        "eos_token_id": source.get("eos_token_id"), "pad_token_id": source.get("pad_token_id"),
+        "torch_dtype": source.get("torch_dtype", "float32"),
+    }
+    (target / "config.json").write_text(json.dumps(config, indent=2))
+    return target
