@@ -82,14 +82,18 @@ class StrategyUnmasking(BlockUnmasking[StrategyConfig, Any]):
 
     def choose_commits(self, batch: CommitBatch) -> torch.Tensor:
         configs = [r.policy_config for r in batch.requests]
+        codes = _strategy_codes(batch)
+        # the schedule's options only where a block follows it (not on every step)
+        scheduled = bool((codes == STRATEGIES.index("timestep_schedule")).any())
         return batched_choose_commits(
             batch.confidence, batch.masked, self._steps_taken(batch),
-            self._steps_allowed(batch), _strategy_codes(batch),
+            self._steps_allowed(batch), codes,
             torch.tensor([c.threshold for c in configs], dtype=torch.float32),
             batch.entropy,
             torch.tensor([c.entropy_bound for c in configs], dtype=torch.float32),
-            _eps(batch),
-            torch.tensor([SCHEDULE_RANKINGS.index(c.alg) for c in configs], dtype=torch.long))
+            _eps(batch) if scheduled else None,
+            torch.tensor([SCHEDULE_RANKINGS.index(c.alg) for c in configs],
+                         dtype=torch.long) if scheduled else None)
 
     def scheduled_idle(self, batch: CommitBatch) -> list[bool]:
         """Blocks under ``timestep_schedule`` whose quota this step is 0 before their last
