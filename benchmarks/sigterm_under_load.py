@@ -3,7 +3,10 @@
 Each run starts the server on loopback, opens ``--requests`` streaming chat requests (long
 answers, so all are mid-generation), sends SIGTERM to the API server once every stream has
 produced output, and records how long each client waits for its stream to end (a clean
-end, an error chunk or a closed connection) and whether the server exits. A client still
+end, an error chunk or a closed connection), whether the server exits, and whether its
+whole process tree (engine core, multiprocessing's resource tracker, workers: every
+descendant of the API process taken just before the signal) is gone within
+``--tree-timeout`` seconds of the signal; survivors are named, then killed. A client still
 waiting ``--client-timeout`` seconds after the signal counts as hung.
 
     python benchmarks/sigterm_under_load.py --runs 20 --policy focus
@@ -22,6 +25,7 @@ import subprocess
 import threading
 import time
 
+import psutil
 import requests
 
 from vllm_diffusion.default_model import default_model_path
@@ -90,6 +94,7 @@ def one_run(args: argparse.Namespace, run: int, log_dir: pathlib.Path) -> dict:
         futures = [pool.submit(client, i) for i in range(args.requests)]
         started.wait()  # every stream has produced output
         time.sleep(0.5)
+        tree = psutil.Process(process.pid).children(recursive=True)
         signalled["at"] = time.monotonic()
         process.send_signal(signal.SIGTERM)
         results = [f.result() for f in futures]
@@ -100,13 +105,42 @@ def one_run(args: argparse.Namespace, run: int, log_dir: pathlib.Path) -> dict:
         exited = None
         os.killpg(process.pid, signal.SIGKILL)
         process.wait()
+    tree_gone, survivors = wait_for_tree(tree, signalled["at"] + args.tree_timeout)
     hung = sum(r["outcome"] == "hung" for r in results)
     waits = [r["seconds_after_signal"] for r in results if r["seconds_after_signal"] is not None]
     summary = {"run": run, "hung_clients": hung, "server_exit_s": exited,
+               "descendants": len(tree),
+               "tree_gone_s": None if tree_gone is None else tree_gone - signalled["at"],
+               "survivors": survivors,
                "max_client_wait_s": max(waits) if waits else None,
                "outcomes": sorted({r["outcome"] for r in results}), "log": str(log)}
     print(json.dumps(summary), flush=True)
     return summary
+
+
+def wait_for_tree(tree: list[psutil.Process], deadline: float) -> tuple[float | None, list]:
+    """When every process of ``tree`` has ended (``time.monotonic()``), or None and the
+    survivors' command lines at ``deadline`` (then killed)."""
+    while time.monotonic() < deadline:
+        if not any(alive(child) for child in tree):
+            return time.monotonic(), []
+        time.sleep(0.1)
+    survivors = [child for child in tree if alive(child)]
+    names = []
+    for child in survivors:
+        try:
+            names.append(" ".join(child.cmdline())[:200] or child.name())
+            child.kill()
+        except psutil.Error:
+            pass
+    return None, names
+
+
+def alive(process: psutil.Process) -> bool:
+    try:
+        return process.is_running() and process.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
 
 
 def main() -> None:
@@ -117,6 +151,9 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=20)
     parser.add_argument("--requests", type=int, default=24)
     parser.add_argument("--client-timeout", type=float, default=60.0)
+    parser.add_argument("--tree-timeout", type=float, default=30.0,
+                        help="seconds after the signal by which every process the server "
+                             "started must be gone")
     parser.add_argument("--stop-at-first-hang", action="store_true")
     parser.add_argument("--out", type=pathlib.Path, default=ROOT / "results/sigterm_under_load.json")
     args = parser.parse_args()
@@ -129,7 +166,10 @@ def main() -> None:
             break
     report = {"policy": args.policy, "requests": args.requests, "runs": runs,
               "runs_with_hung_clients": sum(r["hung_clients"] > 0 for r in runs),
-              "runs_where_server_did_not_exit": sum(r["server_exit_s"] is None for r in runs)}
+              "runs_where_server_did_not_exit": sum(r["server_exit_s"] is None for r in runs),
+              "runs_with_processes_left": sum(bool(r["survivors"]) for r in runs),
+              "slowest_server_exit_s": max((r["server_exit_s"] or float("inf")) for r in runs),
+              "slowest_tree_exit_s": max((r["tree_gone_s"] or float("inf")) for r in runs)}
     args.out.write_text(json.dumps(report, indent=2) + "\n")
     print(json.dumps({k: v for k, v in report.items() if k != "runs"}))
 

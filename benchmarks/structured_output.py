@@ -14,7 +14,9 @@ grammar's share of it (plugin, ``step_timing.StepClock``; batches of up to 32 re
 writes results/structured_output.json. With ``--served`` the schema requests go through
 ``vllm serve`` instead (chat completions with ``response_format`` json_schema, 32 at a
 time, the model's chat template applied by the server): finish reasons, validity, and
-tokens per denoising step from the server's ``/metrics``.
+tokens per denoising step from the server's ``/metrics``. The plugin's JSON grammars are
+compact by default; ``--json-any-whitespace`` runs it with whitespace allowed between JSON
+tokens (``diffusion_json_any_whitespace``, vLLM's default setting).
 """
 
 from __future__ import annotations
@@ -111,7 +113,7 @@ def metric(url: str, name: str) -> float:
                                             text, re.MULTILINE))
 
 
-def served(model, examples, block_size: int) -> dict:
+def served(model, examples, block_size: int, any_whitespace: bool) -> dict:
     """The schema requests through ``vllm serve`` (standard policy, greedy, 64 tokens)."""
     import concurrent.futures
 
@@ -121,7 +123,9 @@ def served(model, examples, block_size: int) -> dict:
     from vllm_diffusion_lab.fixtures.server import vllm_server
 
     with vllm_server(model, "--diffusion-policy", "standard", "--max-model-len", "512",
-                     "--additional-config", json.dumps({"diffusion_block_size": block_size}),
+                     "--additional-config", json.dumps({
+                         "diffusion_block_size": block_size,
+                         "diffusion_json_any_whitespace": any_whitespace}),
                      "--max-num-seqs", "32") as url:
         def ask(example):
             body = {"model": str(model), "temperature": 0, "max_tokens": 64,
@@ -164,6 +168,9 @@ def main() -> None:
     parser.add_argument("--skip-autoregressive", action="store_true")
     parser.add_argument("--served", action="store_true",
                         help="send the schema requests through vllm serve")
+    parser.add_argument("--json-any-whitespace", action="store_true",
+                        help="allow whitespace between JSON tokens (the plugin's JSON "
+                             "grammars are compact by default)")
     harness.add_common_options(parser, out="results/structured_output.json")
     args = parser.parse_args()
     from vllm_diffusion_lab.offline import autoregressive_llm, diffusion_llm
@@ -171,15 +178,19 @@ def main() -> None:
 
     examples = generate_examples(args.problems, 17, ("json",), split="eval")
     model = harness.model_path(args)
-    report = {"problems": args.problems, "block_size": args.block_size, "runs": {}}
+    report = {"problems": args.problems, "block_size": args.block_size,
+              "json_any_whitespace": args.json_any_whitespace, "runs": {}}
     if args.served:
-        report["runs"]["served plugin + schema"] = served(model, examples, args.block_size)
+        report["runs"]["served plugin + schema"] = served(model, examples, args.block_size,
+                                                          args.json_any_whitespace)
         print(json.dumps(report["runs"]["served plugin + schema"]))
         out = args.out.with_name(args.out.stem + "_served.json")
         out.write_text(json.dumps(report, indent=1) + "\n")
         return
     with diffusion_llm(model, diffusion_block_size=args.block_size, max_model_len=512,
-                       max_num_seqs=32, enforce_eager=False) as llm, grammar_clock() as clock:
+                       max_num_seqs=32, enforce_eager=False, additional_config={
+                           "diffusion_json_any_whitespace": args.json_any_whitespace},
+                       ) as llm, grammar_clock() as clock:
         for with_schema in (False, True):
             name = f"plugin{' + schema' if with_schema else ''}"
             report["runs"][name] = run(llm, examples, with_schema, diffusion=True,

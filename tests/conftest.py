@@ -8,11 +8,31 @@ import pathlib
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Under pytest-xdist (the README's test command runs a worker per core), each worker's
+# engines compute on a core of their own: vLLM's automatic binding puts every engine's
+# threads on the first core (it reserves the last one for its scheduler).
+if os.environ.get("PYTEST_XDIST_WORKER", "").startswith("gw") and (os.cpu_count() or 1) > 1:
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", str(
+        int(os.environ["PYTEST_XDIST_WORKER"].removeprefix("gw")) % os.cpu_count()))
 
 import pytest  # noqa: E402
 
 from vllm_diffusion_lab.fixtures.tiny_sdar import build_tiny_sdar  # noqa: E402
 from vllm_diffusion_lab.offline import diffusion_llm  # noqa: E402,F401
+
+
+@pytest.fixture
+def two_cpu_ranks(monkeypatch):
+    """Tensor parallelism of 2 on CPU: skipped below two cores; each rank's threads bound
+    to one core (vllm-cpu binds them to a NUMA node unless told which cores to use). An
+    engine started earlier in this process froze vLLM's environment reads
+    (``enable_envs_cache``), so the cache is dropped for the new value to be read."""
+    import vllm.envs
+
+    if (os.cpu_count() or 1) < 2:
+        pytest.skip("tensor parallelism on CPU needs two cores")
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")
+    vllm.envs.disable_envs_cache()
 
 
 @pytest.fixture(scope="session")

@@ -68,12 +68,14 @@ class ReferenceDream:
     def _linear(self, x: torch.Tensor, name: str) -> torch.Tensor:
         return F.linear(x, self.weights[name + ".weight"], self.weights.get(name + ".bias"))
 
-    def _rope(self, x: torch.Tensor) -> torch.Tensor:
-        """x: [heads, L, head_dim], positions 0..L-1."""
+    def _rope(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """x: [heads, L, head_dim] at ``positions`` [L] (default 0..L-1)."""
         dim = self.head_dim
         inv_freq = 1.0 / (self.config["rope_theta"] ** (
             torch.arange(0, dim, 2, dtype=torch.float32) / dim))  # [dim / 2]
-        angles = torch.arange(x.shape[1], dtype=torch.float32)[:, None] * inv_freq[None, :]
+        if positions is None:
+            positions = torch.arange(x.shape[1])
+        angles = positions.float()[:, None] * inv_freq[None, :]
         angles = torch.cat((angles, angles), dim=-1)  # [L, dim]
         return x * angles.cos() + rotate_half(x) * angles.sin()
 
@@ -100,13 +102,21 @@ class ReferenceDream:
             layer = f"model.layers.{i}."
             x = x + self._attention(rms_norm(x, w[layer + "input_layernorm.weight"], self.eps),
                                     layer + "self_attn.")
-            h = rms_norm(x, w[layer + "post_attention_layernorm.weight"], self.eps)
-            x = x + self._linear(F.silu(self._linear(h, layer + "mlp.gate_proj"))
-                                 * self._linear(h, layer + "mlp.up_proj"),
-                                 layer + "mlp.down_proj")
-        x = rms_norm(x, w["model.norm.weight"], self.eps)
-        head = w["model.embed_tokens.weight" if cfg.get("tie_word_embeddings")
-                 else "lm_head.weight"]
+            x = self._feed_forward(x, layer)
+        return self._logits(x)
+
+    def _feed_forward(self, x: torch.Tensor, layer: str) -> torch.Tensor:
+        """The layer's second residual half: ``x + mlp(post_attention_layernorm(x))``."""
+        h = rms_norm(x, self.weights[layer + "post_attention_layernorm.weight"], self.eps)
+        return x + self._linear(F.silu(self._linear(h, layer + "mlp.gate_proj"))
+                                * self._linear(h, layer + "mlp.up_proj"),
+                                layer + "mlp.down_proj")
+
+    def _logits(self, x: torch.Tensor) -> torch.Tensor:
+        """The final norm and the LM head (the embedding where tied): [L, vocab]."""
+        x = rms_norm(x, self.weights["model.norm.weight"], self.eps)
+        head = self.weights["model.embed_tokens.weight"
+                            if self.config.get("tie_word_embeddings") else "lm_head.weight"]
         return x @ head.T
 
     __call__ = forward

@@ -74,37 +74,61 @@ class ReferenceLLaDA:
         bias = self.weights.get(name + ".bias")
         return F.linear(x, self.weights[name + ".weight"], bias)
 
-    def _rope(self, x: torch.Tensor) -> torch.Tensor:
-        """x: [heads, L, head_dim], positions 0..L-1."""
+    def _rope(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """x: [heads, n, head_dim] at ``positions`` [n]."""
         dim = self.head_dim
         inv_freq = 1.0 / (self.config["rope_theta"] ** (
             torch.arange(0, dim, 2, dtype=torch.float32) / dim))  # [dim / 2]
-        angles = torch.arange(x.shape[1], dtype=torch.float32)[:, None] * inv_freq[None, :]
-        angles = torch.cat((angles, angles), dim=-1)  # [L, dim]
+        angles = positions.float()[:, None] * inv_freq[None, :]
+        angles = torch.cat((angles, angles), dim=-1)  # [n, dim]
         return x * angles.cos() + rotate_half(x) * angles.sin()
 
-    def _attention(self, x: torch.Tensor, block: str) -> torch.Tensor:
+    def _attention(self, x: torch.Tensor, block: str, positions: torch.Tensor,
+                   layer_cache: list[torch.Tensor] | None) -> torch.Tensor:
+        """x: [n, d] at ``positions``. ``layer_cache``: this layer's [K, V] ([kv_heads,
+        L, D] each, after RoPE) for every position of the sequence, whose rows at
+        ``positions`` are replaced by this forward's (Fast-dLLM's ``replace_position``);
+        the queries attend to all of them. None: the rows are the whole sequence."""
         length = x.shape[0]
         q = self._linear(x, block + "q_proj").view(length, self.num_heads, self.head_dim)
         k = self._linear(x, block + "k_proj").view(length, self.num_kv_heads, self.head_dim)
         v = self._linear(x, block + "v_proj").view(length, self.num_kv_heads, self.head_dim)
-        q, k, v = (t.transpose(0, 1) for t in (q, k, v))  # [heads, L, D]
-        q, k = self._rope(q), self._rope(k)
+        q, k, v = (t.transpose(0, 1) for t in (q, k, v))  # [heads, n, D]
+        q, k = self._rope(q, positions), self._rope(k, positions)
+        if layer_cache is not None:
+            layer_cache[0][:, positions], layer_cache[1][:, positions] = k, v
+            k, v = layer_cache
         group = self.num_heads // self.num_kv_heads
         k = k.repeat_interleave(group, dim=0)  # [H, L, D]
         v = v.repeat_interleave(group, dim=0)
-        scores = (q @ k.transpose(1, 2)) / math.sqrt(self.head_dim)  # [H, L, L], no mask
-        out = (scores.softmax(dim=-1) @ v).transpose(0, 1).reshape(length, -1)  # [L, d]
+        scores = (q @ k.transpose(1, 2)) / math.sqrt(self.head_dim)  # [H, n, L], no mask
+        out = (scores.softmax(dim=-1) @ v).transpose(0, 1).reshape(length, -1)  # [n, d]
         return self._linear(out, block + "attn_out")
 
     @torch.no_grad()
     def forward(self, token_ids: torch.Tensor) -> torch.Tensor:
         """token_ids: [L] long. Returns the logits [L, embedding rows], float32."""
+        return self.forward_rows(token_ids, torch.arange(len(token_ids)), None)
+
+    @torch.no_grad()
+    def new_cache(self, length: int) -> list[list[torch.Tensor]]:
+        """Per layer [K, V], zeros [kv_heads, length, head_dim]: filled by a forward of
+        every position (the refresh) before any other reads it."""
+        return [[torch.zeros(self.num_kv_heads, length, self.head_dim) for _ in range(2)]
+                for _ in range(self.config["n_layers"])]
+
+    @torch.no_grad()
+    def forward_rows(self, token_ids: torch.Tensor, positions: torch.Tensor,
+                     cache: list[list[torch.Tensor]] | None) -> torch.Tensor:
+        """The rows ``token_ids`` [n] at ``positions`` [n] against ``cache`` (``new_cache``;
+        their K/V written into it) or, without one, as the whole sequence. Returns their
+        logits [n, embedding rows]."""
         w, cfg = self.weights, self.config
-        x = w[PREFIX + "wte.weight"][token_ids]  # [L, d]
+        x = w[PREFIX + "wte.weight"][token_ids]  # [n, d]
         for i in range(cfg["n_layers"]):
             block = f"{PREFIX}blocks.{i}."
-            x = x + self._attention(rms_norm(x, w[block + "attn_norm.weight"], self.eps), block)
+            x = x + self._attention(rms_norm(x, w[block + "attn_norm.weight"], self.eps),
+                                    block, positions, None if cache is None else cache[i])
             h = rms_norm(x, w[block + "ff_norm.weight"], self.eps)
             x = x + self._linear(F.silu(self._linear(h, block + "ff_proj"))
                                  * self._linear(h, block + "up_proj"), block + "ff_out")
@@ -161,4 +185,49 @@ def reference_generate(model: ReferenceLLaDA, prompt_ids: list[int], *, mask_id:
             confidence = torch.where(masked, probability, -torch.inf)
             chosen = torch.topk(confidence, k=quota).indices
             x[chosen] = x0[chosen]
+    return x[start:].tolist()
+
+
+@torch.no_grad()
+def reference_generate_cached(model: ReferenceLLaDA, prompt_ids: list[int], *, mask_id: int,
+                              cache: str, gen_length: int = 128, block_length: int = 128,
+                              steps: int = 128) -> list[int]:
+    """Fast-dLLM's ``generate_with_prefix_cache`` (``cache="prefix"``) and
+    ``generate_with_dual_cache`` (``"dual"``) at temperature 0 with ``low_confidence``
+    remasking and the quota schedule (``threshold=None``), one prompt (NVlabs/Fast-dLLM
+    ``llada/generate.py`` at 24cc59e): per block, a forward of the whole sequence rewrites
+    every position's KV and makes the block's first decision (quota 0); then, until the
+    block has no mask, a forward of the block and every later position (prefix) or of the
+    block alone (dual), their KV replacing the cached rows, the others read as the
+    refresh left them, makes the next decision (quota i). The published loop runs one
+    forward more after a refresh that fills the block (it checks for masks after the
+    forward) and then indexes past its schedule when a block has one step; this reference
+    checks first, which changes no output where the published loop runs."""
+    if cache not in ("prefix", "dual"):
+        raise ValueError(f"cache must be 'prefix' or 'dual', got {cache!r}")
+    if gen_length % block_length or steps % (gen_length // block_length):
+        raise ValueError("gen_length and steps must split evenly into blocks")
+    steps_per_block = steps // (gen_length // block_length)
+    start = len(prompt_ids)
+    x = torch.full((start + gen_length,), mask_id, dtype=torch.long)
+    x[:start] = torch.tensor(prompt_ids, dtype=torch.long)
+    everything = torch.arange(len(x))
+    for block_start in range(start, start + gen_length, block_length):
+        block_end = block_start + block_length
+        quotas = get_num_transfer_tokens(int((x[block_start:block_end] == mask_id).sum()),
+                                         steps_per_block)
+        kv = model.new_cache(len(x))
+        rows = everything  # the refresh
+        for quota in quotas:
+            if not (x[block_start:block_end] == mask_id).any():
+                break
+            logits = model.forward_rows(x[rows], rows, kv)  # [rows, V]
+            x0 = logits.argmax(dim=-1)
+            # float64, as Fast-dLLM's get_transfer_index
+            probability = logits.double().softmax(dim=-1).gather(-1, x0[:, None])[:, 0]
+            masked = (x[rows] == mask_id) & (rows < block_end)
+            confidence = torch.where(masked, probability, -torch.inf)
+            top = torch.topk(confidence, k=quota).indices  # masked rows: quota <= masks
+            x[rows[top]] = x0[top]
+            rows = torch.arange(block_start, len(x) if cache == "prefix" else block_end)
     return x[start:].tolist()

@@ -7,7 +7,8 @@ import pytest
 
 from vllm_diffusion.capabilities import (ModelCapabilities, model_refusal, refusal,
                                          request_refusal)
-from vllm_diffusion.models.configs import (LLaDA2MoeConfig, SDARConfig, model_capabilities)
+from vllm_diffusion.models.configs import (FastDLLMQwenConfig, LLaDA2MoeConfig, SDARConfig,
+                                           model_capabilities)
 from vllm_diffusion.policies import POLICIES
 
 FIXED = ModelCapabilities(family="Fixed")
@@ -101,8 +102,8 @@ def test_declared_regimes_the_engine_does_not_serve_are_refused_by_name():
     assert model_refusal(FIXED) is None and model_refusal(MOVING) is None
     assert model_refusal(ModelCapabilities(family="F", attention="full")) is None
     assert "'sliding'" in model_refusal(ModelCapabilities(family="F", attention="sliding"))
-    assert "shifted" in model_refusal(ModelCapabilities(family="F", shifted_logits=True))
-    # under full attention the planner reads a block's logits one row earlier
+    # under either regime the planner reads a block's logits one row earlier
+    assert model_refusal(ModelCapabilities(family="F", shifted_logits=True)) is None
     assert model_refusal(ModelCapabilities(family="F", attention="full",
                                            shifted_logits=True)) is None
     assert "approximate" in model_refusal(ModelCapabilities(family="F", exact_kv=False))
@@ -119,3 +120,33 @@ def test_a_whole_canvas_family_refuses_a_canvas_larger_than_its_block():
     # an unset max_tokens is checked once vLLM resolved it (requests.validate_satisfiable)
     assert request_refusal(whole, SamplingParams(max_tokens=None), block_size=16) is None
     assert request_refusal(FIXED, SamplingParams(max_tokens=17), block_size=16) is None
+
+
+def test_shifted_logits_take_the_standard_policy_on_whole_blocks_only():
+    shifted = ModelCapabilities(family="Shifted", shifted_logits=True)
+    assert shifted.needs_whole_blocks
+    assert refusal(shifted, POLICIES["standard"], {}) is None
+    for name in ("focus", "es", "elastic", "sparse_prefix", "ada"):
+        message = refusal(shifted, POLICIES[name], {})
+        assert message.startswith(f"the {name} policy cannot serve Shifted, whose logits "
+                                  f"are shifted"), message
+        assert "use the standard policy" in message
+    message = refusal(shifted, POLICIES["standard"], {"chunk_size": 2})
+    assert "'chunk_size' and 'chunk_reuse'" in message
+    assert "Shifted's logits are shifted: each position's token is read from the row " \
+           "before it" in message
+
+
+def test_fast_dllm_v2_declares_its_published_decoding():
+    config = FastDLLMQwenConfig()  # published keys only: no mask id in config.json
+    assert config.block_size == 32 and config.mask_token_id == 151665
+    assert FastDLLMQwenConfig(bd_size=16).block_size == 16
+    model = model_capabilities(config)
+    assert model.family == "Fast-dLLM v2" and model.shifted_logits
+    assert model.attention == "block_causal" and model.exact_kv
+    assert dict(model.option_defaults) == {"strategy": "threshold", "threshold": 0.9,
+                                           "sub_block_size": 8}
+    assert refusal(model, POLICIES["standard"], dict(model.option_defaults),
+                   block_size=32) is None
+    assert refusal(model, POLICIES["focus"], {}).startswith(
+        "the focus policy cannot serve Fast-dLLM v2, whose logits are shifted")

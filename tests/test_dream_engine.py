@@ -129,3 +129,64 @@ def test_unserved_algs_are_refused_by_name(llm, alg):
     params = SamplingParams(temperature=0.0, max_tokens=8, extra_args={"alg": alg})
     with pytest.raises(REJECTED, match=rf"option 'alg' '{alg}' is not served"):
         llm.generate(token_prompts([PROMPTS["short"]]), params, use_tqdm=False)
+
+
+def published_chat_answer(reference, checkpoint, messages) -> list[int]:
+    """The published loop on the chat-templated prompt (the whole 16-token canvas, 16
+    steps, ``maskgit_plus``: the family's defaults), cut after its first stop token."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    prompt = tokenizer(text, add_special_tokens=False).input_ids
+    stops = set(json.loads((checkpoint / "generation_config.json").read_text())["eos_token_id"])
+    model, mask_id = reference
+    answer = reference_generate(model, list(prompt), mask_id=mask_id,
+                                max_new_tokens=BLOCK_SIZE, steps=BLOCK_SIZE,
+                                alg="maskgit_plus")
+    ends = [i for i, token in enumerate(answer) if token in stops]
+    return answer[:ends[0] + 1] if ends else answer
+
+
+def test_chat_through_the_llm_api_and_vllm_serve(dream_checkpoint, llm, reference, tmp_path):
+    """Dream's chat template (ChatML, as Dream-v0-Instruct's) through the ``LLM`` API and
+    ``vllm serve``: the answer is the published loop's on the templated prompt, up to its
+    first stop token, streamed and not."""
+    import requests
+    from vllm import SamplingParams
+
+    from vllm_diffusion_lab.fixtures.server import chat_contents, vllm_server
+
+    messages = [{"role": "user", "content": "What is 12 plus 7?"}]
+    chat = llm.chat(messages, SamplingParams(temperature=0, max_tokens=BLOCK_SIZE),
+                    use_tqdm=False)[0].outputs[0]
+    assert list(chat.token_ids) == published_chat_answer(reference, dream_checkpoint, messages)
+    body = {"model": str(dream_checkpoint), "temperature": 0, "max_tokens": BLOCK_SIZE,
+            "messages": messages}
+    with vllm_server(dream_checkpoint, "--max-model-len", "512", "--max-num-seqs", "2",
+                     "--enforce-eager", "--additional-config",
+                     json.dumps({"diffusion_block_size": BLOCK_SIZE}),
+                     log_path=tmp_path / "serve.log") as url:
+        assert chat_contents(url, body) == (chat.text, chat.text)
+        # an unset max_tokens resolves to the model length minus the prompt: refused
+        # with the reason, and the server goes on
+        unset = requests.post(f"{url}/v1/chat/completions",
+                              json={k: v for k, v in body.items() if k != "max_tokens"},
+                              timeout=120)
+        assert unset.status_code == 400, unset.text
+        assert "Dream decodes the whole canvas" in unset.json()["error"]["message"]
+
+
+def test_tensor_parallel_equals_the_published_loop(dream_checkpoint, reference, two_cpu_ranks):
+    """Two ranks on CPU (gloo): vLLM shards Dream's heads (4 query, 2 KV), QKV biases and
+    MLP; the outputs equal the single-process published loop for both served algs."""
+    cases = [("canvas16-steps8", alg, name) for alg in ALGS for name in PROMPTS]
+    with diffusion_llm(dream_checkpoint, diffusion_block_size=BLOCK_SIZE, max_num_seqs=4,
+                       max_model_len=64, tensor_parallel_size=2,
+                       distributed_executor_backend="mp") as engine:
+        outputs = engine.generate(token_prompts([PROMPTS[name] for *_, name in cases]),
+                                  [greedy(case, alg) for case, alg, _ in cases],
+                                  use_tqdm=False)
+    for (case, alg, name), output in zip(cases, outputs):
+        assert list(output.outputs[0].token_ids) == published(reference, PROMPTS[name],
+                                                              case, alg), (alg, name)

@@ -9,6 +9,7 @@ import pytest
 from conftest import diffusion_llm
 
 from vllm import SamplingParams
+from vllm.exceptions import VLLMValidationError
 
 from vllm_diffusion.policies.chunk_statistics import (
     STAGES,
@@ -145,6 +146,57 @@ def test_warmup_and_exploration_move_one_request_only():
     assert [len(e) for e in explored] == [0, 0, 0, 1, 0, 0, 0, 1]
     assert list(explored[3].values())[0] not in chosen[:4]
     assert list(explored[3]) != list(explored[7])  # another request's turn
+
+
+def test_a_pinned_chunk_is_neither_chosen_nor_explored():
+    """A request's ``chunk_size`` is its chunk at every step, whatever the step's choice
+    and whoever's turn it is to explore; the unpinned request follows them."""
+    import types
+
+    import torch
+
+    from vllm_diffusion.step.request import BlockCanvas
+
+    policy = ElasticPolicy(16, MASK, ElasticConfig(warmup_steps=0, explore_every=2,
+                                                   chunk_reuse=False))
+    policy.latency = OnlineLatency(MODEL, warm_start=saturating_profile(capacity=1))
+
+    def request(req_id, pin):
+        return types.SimpleNamespace(
+            req_id=req_id, canvas=BlockCanvas(0, torch.full((16,), MASK)),
+            policy_state=policy.new_state(None),
+            policy_config=ElasticConfig(chunk_reuse=False, chunk_size=pin))
+
+    pinned, free = request("pinned", 4), request("free", None)
+    moved = set()
+    for _ in range(8):
+        policy.begin_step([pinned, free])
+        policy.statistics.observe(policy.step_chunk, 0, 1, policy.step_chunk)
+        policy.plan_step(pinned)
+        policy.plan_step(free)
+        assert pinned.policy_state.chunk == 4
+        moved.add(free.policy_state.chunk)
+    assert len(moved) > 1  # the unpinned request's chunk did move
+
+
+def test_a_pinned_chunk_is_validated_per_request():
+    from vllm_diffusion.config import DiffusionEngineConfig
+    from vllm_diffusion.options import OptionError
+
+    engine = DiffusionEngineConfig("elastic", 8, MASK, ElasticConfig())
+    assert engine.request_policy_config({"chunk_size": 2}).chunk_size == 2
+    assert engine.request_policy_config({"chunk_size": 8}).chunk_size == 8
+    for value, message in ((3, r"option 'chunk_size' must divide the block size \(8\), "
+                               r"got 3"),
+                           (16, r"option 'chunk_size' must divide the block size \(8\), "
+                                r"got 16"),
+                           (0, r"option 'chunk_size' must be int in \[1, 1024\] or null, "
+                               r"got 0"),
+                           ("two", r"option 'chunk_size' must be int in \[1, 1024\] or "
+                                   r"null, got 'two'"),
+                           (2.5, r"option 'chunk_size' must be int .* got 2.5")):
+        with pytest.raises(OptionError, match=message):
+            engine.request_policy_config({"chunk_size": value})
 
 
 MASK = 3
@@ -297,3 +349,34 @@ def test_elastic_policy_in_the_engine(dense_checkpoint, tmp_path):
     # the policy's counters difference like the engine's (a dict per chunk, the error kept)
     assert set(delta["elastic_chunk_steps"].values()) == {0}
     assert delta["latency_held_out_error"] == stats["latency_held_out_error"]
+
+
+@pytest.mark.engine
+def test_identical_greedy_requests_with_a_pinned_chunk_ignore_the_load(dense_checkpoint):
+    """Greedy requests with the same ``chunk_size`` give the same output alone and beside
+    a load whose chunks the policy chooses and explores (the load did move them: several
+    sizes were decoded at); a bad pin is refused per request."""
+    pinned = [[5, 6, 7, 8], [9, 10]]
+    load = [[11, 12, 13 + i] for i in range(12)]
+    unpinned = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    with diffusion_llm(dense_checkpoint, diffusion_block_size=8, max_num_seqs=16,
+                       additional_config={"diffusion_policy": "elastic",
+                                          "explore_every": 2}) as llm:
+        runner = (llm.llm_engine.engine_core.engine_core.model_executor.driver_worker
+                  .worker.model_runner)
+        for pin in (2, 8):
+            params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True,
+                                    extra_args={"chunk_size": pin})
+            alone = [list(o.outputs[0].token_ids)
+                     for o in llm.generate(pinned, params, use_tqdm=False)]
+            loaded = llm.generate(pinned * 2 + load, [params] * 4 + [unpinned] * len(load),
+                                  use_tqdm=False)
+            assert [list(o.outputs[0].token_ids) for o in loaded[:4]] == alone * 2
+            assert all(len(tokens) == 24 for tokens in alone)
+        tried = {c for c in range(1, 9) if runner.policy.statistics.observed_steps(c)}
+        with pytest.raises(VLLMValidationError, match="option 'chunk_size' must divide "
+                                                      "the block size"):
+            llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4,
+                                                     extra_args={"chunk_size": 3}),
+                         use_tqdm=False)
+    assert len(tried - {2, 8}) >= 1

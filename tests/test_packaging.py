@@ -128,8 +128,9 @@ def test_layers_import_only_downwards():
 
 
 # What the API server imports: it resolves the engine's options and checks requests.
-FRONT_END = [PACKAGE / name for name in ("config.py", "requests.py", "engine_setup.py",
-                                         "metrics.py", "options.py")] + sources("seams")
+FRONT_END = [PACKAGE / name for name in ("config.py", "requests.py", "request_limits.py",
+                                         "engine_setup.py", "metrics.py", "options.py")
+             ] + sources("seams")
 
 
 def test_the_front_end_imports_nothing_from_the_worker():

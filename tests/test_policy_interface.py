@@ -8,8 +8,10 @@ import itertools
 import types
 
 import pytest
+import reference_eb_sampler
 import torch
 
+from vllm_diffusion.options import OptionError, parse_options
 from vllm_diffusion.policies import POLICIES
 from vllm_diffusion.policies.base import BlockUnmasking, DecodingPolicy
 from vllm_diffusion.policies.focus import FocusConfig, FocusPolicy
@@ -17,6 +19,8 @@ from vllm_diffusion.policies.standard import StandardConfig
 from vllm_diffusion.policies.strategy_unmasking import StrategyUnmasking
 from vllm_diffusion.policies.timestep_schedule import (SCHEDULE_RANKINGS, timestep_quota,
                                                        timesteps)
+from vllm_diffusion.policies.entropy_bounded import (ENTROPY_BOUNDED_ORDERS,
+                                                     entropy_bounded_commits)
 from vllm_diffusion.policies.unmasking import STRATEGIES, batched_choose_commits, choose_commits
 from vllm_diffusion.step.plans import CommitBatch
 from vllm_diffusion.step.hooks import LayerInput
@@ -155,8 +159,10 @@ def test_batched_commit_choice_matches_the_per_block_reference(name):
         strategy=STRATEGIES[i % len(STRATEGIES)], threshold=[0.0, 0.5, 0.9, 1.0][i % 4],
         entropy_bound=[0.0, 0.3, 1.5, 100.0][i % 4],
         denoising_steps=None if i % 3 else max(1, block // 2),
-        # the schedule ranks by both algs where the grid has 2 rows per strategy
-        eps=[1e-3, 0.0, 0.25][i % 3], alg=SCHEDULE_RANKINGS[i // len(STRATEGIES) % 2])
+        # the schedule ranks by both algs, and the EB-sampler takes both orders, where
+        # the grid has 2 rows per strategy
+        eps=[1e-3, 0.0, 0.25][i % 3], alg=SCHEDULE_RANKINGS[i // len(STRATEGIES) % 2],
+        entropy_bounded_order=ENTROPY_BOUNDED_ORDERS[i // len(STRATEGIES) % 2])
         for i in range(rows)]
     steps = torch.randint(0, block + 2, (rows,), generator=gen)
     entropy = torch.rand(rows, block, generator=gen) * 0.8
@@ -167,7 +173,8 @@ def test_batched_commit_choice_matches_the_per_block_reference(name):
         torch.tensor([c.threshold for c in configs]), entropy,
         torch.tensor([c.entropy_bound for c in configs]),
         torch.tensor([c.eps for c in configs], dtype=torch.float64),
-        torch.tensor([SCHEDULE_RANKINGS.index(c.alg) for c in configs]))
+        torch.tensor([SCHEDULE_RANKINGS.index(c.alg) for c in configs]),
+        torch.tensor([c.entropy_bounded_order == "confidence" for c in configs]))
     for i, config in enumerate(configs):
         want = choose_commits(confidence[i], masked[i], int(steps[i]), block, config,
                               entropy[i])
@@ -205,41 +212,87 @@ def test_scheduled_idle_steps_are_the_zero_quotas_before_the_last():
     assert commits.sum(dim=1).tolist() == [0, 8, 1, 0]
 
 
-def eb_reference(confidence: list[float], masked: list[bool], entropy: list[float],
-                 gamma: float) -> list[bool]:
-    """The EB-sampler's rule (arXiv 2505.24857, Algorithm 1) with plain loops: the masked
-    positions by confidence (ties to the left), the longest prefix whose summed entropy
-    minus its largest entropy is at most gamma, at least one."""
-    order = sorted((i for i in range(len(masked)) if masked[i]),
-                   key=lambda i: (-confidence[i], i))
-    chosen = [False] * len(masked)
-    for length in range(len(order), 0, -1):
-        prefix = [entropy[i] for i in order[:length]]
-        if length == 1 or sum(prefix) - max(prefix) <= gamma:
-            for i in order[:length]:
-                chosen[i] = True
-            break
-    return chosen
+def test_sub_blocks_commit_only_in_the_leftmost_one_holding_a_mask():
+    """``sub_block_size`` (Fast-dLLM v2's sub-blocks): the threshold strategy commits its
+    most confident and above-threshold masked positions of the active sub-block only;
+    a block without the option commits over the whole block; the size must divide the
+    block."""
+    def request(sub_block_size):
+        config = StandardConfig(strategy="threshold", threshold=0.5,
+                                sub_block_size=sub_block_size)
+        return types.SimpleNamespace(policy_config=config,
+                                     canvas=types.SimpleNamespace(steps=0))
+
+    unmasking = StrategyUnmasking(8, MASK, None)
+    confidence = torch.tensor([[0.0, 0.1, 0.6, 0.2, 0.9, 0.95, 0.7, 0.1]]).repeat(3, 1)
+    masked = torch.tensor([[False, False, True, True, True, True, True, True]]).repeat(3, 1)
+    batch = CommitBatch([request(4), request(2), request(None)], confidence, masked)
+    commits = unmasking.choose_commits(batch)
+    assert torch.nonzero(commits[0]).flatten().tolist() == [2]  # sub-block [0, 4)
+    assert torch.nonzero(commits[1]).flatten().tolist() == [2]  # sub-block [2, 4)
+    assert torch.nonzero(commits[2]).flatten().tolist() == [2, 4, 5, 6]
+    masked[0, :4] = False  # sub-block [4, 8) becomes the active one
+    commits = unmasking.choose_commits(CommitBatch([request(4)], confidence[:1],
+                                                   masked[:1]))
+    assert torch.nonzero(commits[0]).flatten().tolist() == [4, 5, 6]
+    with pytest.raises(OptionError, match=r"option 'sub_block_size' must divide the block "
+                                          r"size \(8\), got 3"):
+        StandardConfig(sub_block_size=3).validate_for_block(8, "request")
 
 
 @pytest.mark.parametrize("name", COMMIT_GRID)
 @pytest.mark.parametrize("gamma", [0.0, 0.05, 0.4, 3.0])
-def test_entropy_bounded_commits_match_the_eb_reference(name, gamma):
+@pytest.mark.parametrize("order", ENTROPY_BOUNDED_ORDERS)
+def test_entropy_bounded_commits_match_the_eb_reference(name, gamma, order):
+    """The EB-sampler's choice (``entropy_bounded_commits``, the engine's path through
+    ``batched_choose_commits``, and the per-block ``choose_commits``) against the plain
+    reference of ``reference_eb_sampler``, on the commit grid."""
     rows, block, seed = COMMIT_GRID[name]
     confidence, masked, gen = random_blocks(seed, rows, block)
-    entropy = torch.rand(rows, block, generator=gen) * 0.5
-    config = StandardConfig(strategy="entropy_bounded", entropy_bound=gamma)
-    got = batched_choose_commits(
+    # eighths: ties in entropy, and sums exact in float32 (3.0 is reached exactly)
+    entropy = torch.randint(0, 6, (rows, block), generator=gen).float() / 8
+    bounds = torch.full((rows,), gamma)
+    by_confidence = torch.full((rows,), order == "confidence")
+    want = reference_eb_sampler.entropy_bounded_commits(confidence, masked, entropy, bounds,
+                                                        by_confidence)
+    got = entropy_bounded_commits(confidence, masked, entropy, bounds, by_confidence)
+    assert got.tolist() == want.tolist()
+    config = StandardConfig(strategy="entropy_bounded", entropy_bound=gamma,
+                            entropy_bounded_order=order)
+    engine = batched_choose_commits(
         confidence, masked, torch.zeros(rows, dtype=torch.long),
         torch.full((rows,), block), torch.full((rows,), STRATEGIES.index("entropy_bounded")),
-        torch.full((rows,), 0.9), entropy, torch.full((rows,), gamma))
+        torch.full((rows,), 0.9), entropy, bounds, entropy_bounded_by_confidence=by_confidence)
     for i in range(rows):
-        want = eb_reference(confidence[i].tolist(), masked[i].tolist(), entropy[i].tolist(),
-                            gamma)
         if block > 1:  # a one-position block's first step is its last: everything commits
-            assert got[i].tolist() == want, (i, gamma)
+            assert engine[i].tolist() == want[i].tolist(), (i, gamma)
         assert choose_commits(confidence[i], masked[i], 0, block, config,
-                              entropy[i]).tolist() == got[i].tolist()
+                              entropy[i]).tolist() == engine[i].tolist()
+
+
+def test_entropy_bounded_takes_the_lowest_entropies_first_unless_told_confidence():
+    """Position 3 has the lowest entropy and the lowest confidence: by entropy (the
+    default) 3, 1 and 2 fit the bound (the entropies before 2 sum to 0.06); by confidence
+    0 comes first and 2's entropy already exceeds the bound."""
+    confidence = torch.tensor([0.9, 0.5, 0.6, 0.4])
+    entropy = torch.tensor([0.3, 0.05, 0.2, 0.01])
+    masked = torch.ones(4, dtype=torch.bool)
+    default = StandardConfig(strategy="entropy_bounded", entropy_bound=0.1)
+    assert default.entropy_bounded_order == "entropy"
+    assert choose_commits(confidence, masked, 0, 4, default, entropy).tolist() == [
+        False, True, True, True]
+    by_confidence = StandardConfig(strategy="entropy_bounded", entropy_bound=0.1,
+                                   entropy_bounded_order="confidence")
+    assert choose_commits(confidence, masked, 0, 4, by_confidence, entropy).tolist() == [
+        True, False, False, False]
+    for flag, config in ((False, default), (True, by_confidence)):
+        assert reference_eb_sampler.entropy_bounded_commits(
+            confidence[None], masked[None], entropy[None], torch.tensor([0.1]),
+            torch.tensor([flag]))[0].tolist() == choose_commits(
+            confidence, masked, 0, 4, config, entropy).tolist()
+    with pytest.raises(OptionError, match=r"option 'entropy_bounded_order' must be one of "
+                                          r"'entropy', 'confidence', got 'margin'"):
+        parse_options(StandardConfig, {"entropy_bounded_order": "margin"}, source="request")
 
 
 # ---------------------------------------------------------------- registry

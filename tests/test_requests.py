@@ -151,13 +151,25 @@ def test_repetition_penalty_keeps_sequential_decoding_from_repeating(llm):
 
 
 def test_entropy_bounded_unmasking(llm):
-    """The EB-sampler strategy: with a zero bound it commits one position per step, the
-    most confident, which is exactly ``low_confidence_static`` at one token per step; with
-    a bound no block reaches it commits every masked position at once; the option is
-    validated."""
+    """The EB-sampler strategy: with a zero bound it commits one position per step: the
+    masked one of lowest entropy by default (each commit checked against its step's
+    entropies), the most confident with ``entropy_bounded_order`` ``confidence``, which is
+    exactly ``low_confidence_static`` at one token per step; with a bound no block
+    reaches it commits every masked position at once; the options are validated."""
+    import torch
+
     from vllm_diffusion_lab.offline import stats_delta
 
     prompts = [TokensPrompt(prompt_token_ids=p) for p in ([5, 6, 7], [8, 9, 10, 11, 12])]
+    unmasking = (llm.llm_engine.engine_core.engine_core.model_executor.driver_worker
+                 .worker.model_runner.policy.unmasking)
+    choose = unmasking.choose_commits
+    decisions = []
+
+    def recording_choice(batch):
+        commits = choose(batch)
+        decisions.append((batch.masked.clone(), batch.entropy.clone(), commits.clone()))
+        return commits
 
     def run(options):
         before = llm.collective_rpc("diffusion_stats")[0]
@@ -167,15 +179,33 @@ def test_entropy_bounded_unmasking(llm):
         stats = stats_delta(before, llm.collective_rpc("diffusion_stats")[0])
         return [list(o.outputs[0].token_ids) for o in outputs], stats
 
-    narrow, narrow_stats = run({"strategy": "entropy_bounded", "entropy_bound": 0.0})
+    unmasking.choose_commits = recording_choice
+    try:
+        _, narrow_stats = run({"strategy": "entropy_bounded", "entropy_bound": 0.0})
+    finally:
+        del unmasking.choose_commits  # the class's method again
+    committed = 0
+    for masked, entropy, commits in decisions:
+        for row in range(len(masked)):
+            if bool(masked[row].any()):
+                lowest = int(torch.where(masked[row], entropy[row], float("inf")).argmin())
+                assert commits[row].nonzero().flatten().tolist() == [lowest]
+                committed += 1
+    assert committed >= 2 * 12  # every output position of both requests was checked
+    by_confidence, _ = run({"strategy": "entropy_bounded", "entropy_bound": 0.0,
+                            "entropy_bounded_order": "confidence"})
     static, _ = run({"strategy": "low_confidence_static"})
-    assert narrow == static
+    assert by_confidence == static
     _, wide_stats = run({"strategy": "entropy_bounded", "entropy_bound": 1e6})
     assert wide_stats["denoising_steps_per_block"] == 1.0
     assert narrow_stats["denoising_steps_per_block"] > 1.0
     with pytest.raises(REJECTED, match=r"option 'entropy_bound' must be float in \[0.0"):
         generate(llm, [5, 6, 7], max_tokens=4, extra_args={"strategy": "entropy_bounded",
                                                            "entropy_bound": -1.0})
+    with pytest.raises(REJECTED, match="option 'entropy_bounded_order' must be one of "
+                                       "'entropy', 'confidence', got 'margin'"):
+        generate(llm, [5, 6, 7], max_tokens=4, extra_args={"strategy": "entropy_bounded",
+                                                           "entropy_bounded_order": "margin"})
 
 
 def test_the_rewriting_loops_step_cap_is_refused_for_models_with_fixed_positions(llm):

@@ -80,6 +80,27 @@ CATALOGUE = [
     ({"structured_outputs": {"regex": "a+"}, "logprobs": True}, "structured_outputs: logprobs"),
     ({"min_tokens": -1}, "min_tokens"),
     ({"frequency_penalty": 5.0}, "frequency_penalty"),
+    # the engine-wide limits on what multiplies a request's work, at their defaults
+    ({"n": 17, "temperature": 1.0}, "n=17 asks for 17 outputs, each decoded as a request "
+     "of its own, more than this server allows: diffusion_max_n=16"),
+    ({"bad_words": [f"word{i}" for i in range(65)]},
+     "bad_words holds 65 words, more than this server allows: diffusion_max_bad_words=64"),
+    ({"bad_words": [" ".join(map(str, range(1100)))]},
+     "more than this server allows: diffusion_max_bad_word_tokens=1024"),
+    ({"bad_words": ["x" * 20_000]}, "bad_words hold 20000 characters, which cannot "
+     "tokenize within the token limit unless their tokens average more than 16 characters, "
+     "more than this server allows: diffusion_max_bad_word_tokens=1024"),
+    ({"structured_outputs": {"regex": "a" * 70_000}},
+     "the constraint has 70000 characters (regex 70000), more than this server allows: "
+     "diffusion_max_grammar_chars=65536"),
+    ({"response_format": {"type": "json_schema", "json_schema": {
+        "name": "large", "schema": {"type": "string", "description": "x" * 70_000}}}},
+     "more than this server allows: diffusion_max_grammar_chars=65536"),
+    ({"vllm_xargs": {"max_post_steps": 65}},
+     "'max_post_steps' must be at most the engine's 'max_post_steps_limit' (64), got 65"),
+    ({"vllm_xargs": {"max_steps_per_block": 1001}},
+     "'max_steps_per_block' must be at most the engine's 'max_steps_per_block_limit' "
+     "(1000), got 1001"),
 ]
 
 
@@ -108,13 +129,21 @@ STEP_FAILURES = [
 @pytest.mark.parametrize("fields, message", STEP_FAILURES,
                          ids=[json.dumps(f)[:60] for f, _ in STEP_FAILURES])
 def test_a_request_failing_in_the_step_gets_its_reason(server, reference, fields, message):
+    assert_ended_by_the_engine_with_400(server, reference, fields, message)
+
+
+def assert_ended_by_the_engine_with_400(server, reference, fields, message) -> None:
+    """The request with ``fields``, plain and streamed, is ended by the engine with a 400
+    whose message (at most 1 KB) holds ``message``; both are counted as failed and the
+    server answers as before."""
     errors = failed_requests(server["url"])
     response = post_json(f"{server['url']}/v1/chat/completions",
-                         {**chat_body(server, max_tokens=16), **fields}, timeout=30)
+                         {**chat_body(server, max_tokens=16), **fields}, timeout=60)
     assert response.status_code == 400, response.text
-    assert message in response.json()["error"]["message"]
+    text = response.json()["error"]["message"]
+    assert message in text and len(text.encode()) <= 1024, text
     events = []
-    with requests.post(f"{server['url']}/v1/chat/completions", stream=True, timeout=30,
+    with requests.post(f"{server['url']}/v1/chat/completions", stream=True, timeout=60,
                        json={**chat_body(server, max_tokens=16, stream=True), **fields}
                        ) as streamed:
         assert streamed.status_code == 200
@@ -132,6 +161,51 @@ def failed_requests(url: str) -> float:
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
                if line.startswith("vllm:request_success_total{")
                and 'finished_reason="error"' in line)
+
+
+# Requests whose error message, as vLLM would write it, is far longer than 1 KB: the
+# plugin's option errors (10,000 unknown keys: 89 KB before the cap) and vLLM's own
+# validation on the plugin's path (xgrammar refuses the regex, llguidance, tried next under
+# the backend "auto", quotes all 5,000 characters of it twice).
+LONG_ERRORS = [
+    ({"vllm_xargs": {f"key{i}": 1 for i in range(10_000)}},
+     ("unknown option(s) 'key0', 'key1', 'key10', 'key100', 'key1000' and 9995 more; "
+      "valid options for policy 'focus' are")),
+    ({"structured_outputs": {"regex": "[z-a]" + "a" * 5_000}}, "invalid regex"),
+]
+
+
+@pytest.mark.parametrize("fields, message", LONG_ERRORS,
+                         ids=[json.dumps(f)[:40] for f, _ in LONG_ERRORS])
+def test_error_messages_fit_in_1_kb(server, fields, message):
+    response = post_json(f"{server['url']}/v1/chat/completions",
+                         {**chat_body(server), **fields}, timeout=60)
+    assert response.status_code == 400, response.text[:2000]
+    text = response.json()["error"]["message"]
+    assert len(text.encode()) <= 1024 and message in text, text
+
+
+# Grammars vLLM's admission passes but its engine core cannot compile: a 400 naming the
+# grammar and the backend's reason (vLLM alone: a bare 500), streamed as the error event.
+# Under the backend "auto" a regex xgrammar cannot parse is admitted when llguidance can,
+# but the core compiles every grammar with the backend of its first one: xgrammar here.
+UNCOMPILABLE = [
+    ({"structured_outputs": {"regex": "(?i)yes|no"}},
+     "structured_outputs: the regex could not be compiled: RuntimeError"),
+    ({"structured_outputs": {"structural_tag": json.dumps(
+        {"type": "structural_tag", "format": {"type": "token", "token": 999_999}})}},
+     "structured_outputs: the structural tag could not be compiled: RuntimeError"),
+]
+
+
+@pytest.mark.parametrize("fields, message", UNCOMPILABLE,
+                         ids=[json.dumps(f)[:40] for f, _ in UNCOMPILABLE])
+def test_a_grammar_the_engine_cannot_compile_is_a_400_naming_it(server, reference, fields,
+                                                                 message):
+    compiled = post_json(f"{server['url']}/v1/chat/completions", {
+        **chat_body(server), "structured_outputs": {"regex": "[0-9]{3}"}}, timeout=60)
+    assert compiled.status_code == 200, compiled.text  # the core's backend is xgrammar
+    assert_ended_by_the_engine_with_400(server, reference, fields, message)
 
 
 def test_bad_request_next_to_good_ones_in_one_batch(server, reference):
@@ -247,3 +321,39 @@ def test_sigterm_with_streams_in_flight_ends_every_stream(dense_checkpoint, tmp_
     for answer in answers:
         assert answer.status_code == 503, answer.text
         assert "shutting down" in answer.json()["error"]["message"]
+
+
+def test_requests_reaching_a_shutting_down_engine_get_503(dense_checkpoint):
+    """A request the HTTP server accepted just before the signal, rendered or handed to
+    the engine after shutdown began, is a 503 "shutting down" (the renderer's thread pool
+    is gone by then: unwrapped, that is a 500 "cannot schedule new futures after
+    shutdown")."""
+    import asyncio
+
+    from vllm import SamplingParams
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.exceptions import GracefulHTTPError
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    async def after_shutdown() -> list[GracefulHTTPError]:
+        engine = AsyncLLM.from_engine_args(AsyncEngineArgs(
+            model=str(dense_checkpoint), enforce_eager=True, max_model_len=256,
+            max_num_seqs=2, additional_config={"diffusion_block_size": BLOCK_SIZE}))
+        prompt = {"prompt_token_ids": [5, 6, 7]}
+        async for _ in engine.generate(prompt, SamplingParams(max_tokens=4), "before"):
+            pass  # the engine serves
+        engine.shutdown()
+        refusals = []
+        for attempt in (
+            engine.renderer.render_cmpl_async([{"prompt": "hello"}],
+                                              engine.renderer.default_cmpl_tok_params),
+            anext(engine.generate(prompt, SamplingParams(max_tokens=4), "after")),
+        ):
+            with pytest.raises(GracefulHTTPError) as refusal:
+                await attempt
+            refusals.append(refusal.value)
+        return refusals
+
+    for refusal in asyncio.run(after_shutdown()):
+        assert refusal.http_status == 503
+        assert "shutting down" in str(refusal)

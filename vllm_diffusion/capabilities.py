@@ -16,6 +16,15 @@ from collections.abc import Mapping
 from typing import Any
 
 
+# Full attention's KV between a block's steps (Fast-dLLM, NVlabs/Fast-dLLM ``llada/
+# generate.py``): ``recompute`` the published loop (every step computes every position);
+# ``prefix`` and ``dual`` refresh the KV of every position with a full forward at a block's
+# first step, then compute the block and the canvas after it (``prefix``: the prompt and
+# earlier blocks read from the refresh) or the block alone (``dual``: the canvas after it
+# too), so later steps see KV up to one block old.
+CACHE_MODES = ("recompute", "prefix", "dual")
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelCapabilities:
     """What serving a model family needs (the defaults: SDAR's block diffusion)."""
@@ -27,7 +36,9 @@ class ModelCapabilities:
     # the committed prefix's KV is exactly what a full recomputation would give
     exact_kv: bool = True
     # position i's logits predict token i + 1 (autoregressive-initialised models): a
-    # block's logits come from the rows one before it (served under full attention)
+    # block's logits come from the rows one before it; under block-causal attention a
+    # block's first position is read from the previous block's last row, computed when
+    # that block is committed (``worker/shifted_plan.py``)
     shifted_logits: bool = False
     # the published loop decodes the whole canvas (``max_new_tokens``) as one block: the
     # family's configuration gives a block size that holds it, and a request's
@@ -50,9 +61,23 @@ class ModelCapabilities:
 
     @property
     def needs_whole_blocks(self) -> bool:
-        """Every forward computes whole blocks: experts are routed per block, or every
-        position attends to the whole sequence, which each step recomputes."""
-        return self.routing_block_size is not None or self.attention == "full"
+        """Every forward computes whole blocks: experts are routed per block, every
+        position attends to the whole sequence, which each step recomputes, or each
+        position's logits are read from the row before it."""
+        return self.whole_blocks_reason is not None
+
+    @property
+    def whole_blocks_reason(self) -> str | None:
+        """Why every forward must compute whole blocks (None: it need not)."""
+        if self.routing_block_size is not None:
+            return f"{self.family} chooses each routing block's experts from all of its tokens"
+        if self.attention == "full":
+            return (f"every position of {self.family} attends to the whole sequence, which "
+                    f"each step recomputes")
+        if self.shifted_logits:
+            return (f"{self.family}'s logits are shifted: each position's token is read from "
+                    f"the row before it")
+        return None
 
     def attention_span(self, block_size: int, max_model_len: int) -> int:
         """The size of the aligned spans whose rows attend to each other and to every
@@ -76,11 +101,14 @@ class PolicyTraits:
     skips_rows: bool = False
     # the attention regimes (``ModelCapabilities.attention``) it decodes under
     attention_regimes: tuple[str, ...] = ("block_causal",)
+    # whether it decodes models whose logits are shifted (the planner reads a block's
+    # logits one row earlier than the rows the policy plans)
+    shifted_logits: bool = False
 
 
 # What the engine's step serves today: the attention regimes its backend computes, over an
-# exact committed prefix; logits that predict their own position, or (full attention
-# only, where the planner reads a block's logits from the rows one before it) the next.
+# exact committed prefix; logits that predict their own position, or the next (the
+# planner reads a block's logits from the rows one before it).
 SERVED_ATTENTION = ("block_causal", "full")
 
 
@@ -89,8 +117,6 @@ def model_refusal(model: ModelCapabilities) -> str | None:
     if model.attention not in SERVED_ATTENTION:
         return (f"{model.family} attends {model.attention!r}; the engine serves "
                 f"{', '.join(map(repr, SERVED_ATTENTION))} attention")
-    if model.shifted_logits and model.attention != "full":
-        return f"{model.family}'s logits are shifted (position i predicts i + 1); not served"
     if not model.exact_kv:
         return f"{model.family} declares an approximate committed KV; not served"
     return None
@@ -109,16 +135,16 @@ def refusal(model: ModelCapabilities, policy: Any, options: Mapping[str, Any],
                 f"{model.attention!r}: it decodes under "
                 f"{', '.join(map(repr, traits.attention_regimes))} attention only; use the "
                 f"standard policy")
+    if model.shifted_logits and not traits.shifted_logits:
+        return (f"the {policy.name} policy cannot serve {model.family}, whose logits are "
+                f"shifted (position i predicts i + 1): it plans its forwards for logits "
+                f"read at their own rows; use the standard policy")
     if model.needs_whole_blocks:
         routing = model.routing_block_size
         if traits.partial_blocks is not None:
-            why = (f"{model.family} chooses each routing block's experts from all of its "
-                   f"tokens" if routing is not None else
-                   f"every position of {model.family} attends to the whole sequence, "
-                   f"which each step recomputes")
             return (f"the {policy.name} policy cannot serve {model.family}: "
-                    f"{traits.partial_blocks} ({why}, so every forward must compute whole "
-                    f"blocks)")
+                    f"{traits.partial_blocks} ({model.whole_blocks_reason}, so every "
+                    f"forward must compute whole blocks)")
         if routing is not None and block_size is not None and block_size % routing:
             return (f"{model.family} routes experts per block of {routing} tokens (config "
                     f"block_size); the diffusion block size ({block_size}) must be a "

@@ -9,8 +9,16 @@ writes no token and ends no block in that many consecutive steps ends with an er
 computed and reduced to proposals in chunks of requests within it),
 ``diffusion_canvas_tokens`` (full-attention models: how far a request's canvas of masks
 reaches past its current block's start, a multiple of the block size; a longer output
-decodes with the canvas sliding ahead block by block) and the chosen policy's options
-(``threshold``, ``strategy``, ...).
+decodes with the canvas sliding ahead block by block), ``diffusion_cache_mode``
+(full-attention models: ``recompute``, the published loop, or Fast-dLLM's approximate
+``prefix`` and ``dual`` caches; ``capabilities.CACHE_MODES``), the limits on what multiplies one
+request's work (``diffusion_max_n``, ``diffusion_max_bad_words``,
+``diffusion_max_bad_word_tokens``, ``diffusion_max_grammar_chars``: ``request_limits.py``,
+where they are described and checked) and the chosen policy's options (``threshold``,
+``strategy``, ...; the policy's own engine-wide limits among them: ``max_post_steps_limit``,
+``max_steps_per_block_limit``).
+``diffusion_json_any_whitespace`` (JSON grammars allow whitespace between JSON tokens;
+by default they are compact: ``compact_json.py``) is engine-wide too.
 Per-request overrides of the policy's options come from ``SamplingParams.extra_args``
 (OpenAI ``vllm_xargs``).
 
@@ -30,9 +38,12 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
-from vllm_diffusion.capabilities import ModelCapabilities
-from vllm_diffusion.options import OptionError, Rule, option_names, parse_options, shown
+from vllm_diffusion.capabilities import CACHE_MODES, ModelCapabilities
+from vllm_diffusion.compact_json import ANY_WHITESPACE_KEY, parse_any_whitespace
+from vllm_diffusion.options import (OptionError, Rule, option_names, parse_options,
+                                    refuse_unknown, shown)
 from vllm_diffusion.policies import POLICIES
+from vllm_diffusion.request_limits import LIMIT_KEYS, RequestLimits, parse_request_limits
 
 DEFAULT_BLOCK_SIZE = 4  # SDAR's default
 DEFAULT_LOGITS_MEMORY_MIB = 256
@@ -48,7 +59,9 @@ DEFAULT_MAX_STEPS_WITHOUT_PROGRESS = 64
 DEFAULT_CANVAS_TOKENS = 256
 ENGINE_KEYS = ("diffusion_policy", "diffusion_block_size", "mask_token_id",
                "diffusion_logits_memory_mib", "diffusion_row_buckets",
-               "diffusion_max_steps_without_progress", "diffusion_canvas_tokens")
+               "diffusion_max_steps_without_progress", "diffusion_canvas_tokens",
+               "diffusion_cache_mode",
+               *LIMIT_KEYS, ANY_WHITESPACE_KEY)
 # Per-request keys that are not policy options; ``diffusion_policy`` is checked separately.
 REQUEST_KEYS = ("diffusion_policy", "return_step_map")
 _REQUEST_RULES = {"return_step_map": Rule(bool)}
@@ -79,6 +92,13 @@ class DiffusionEngineConfig:
     model: ModelCapabilities = ModelCapabilities(family="an unnamed model")
     # Full attention: the canvas's reach past the current block's start (``CanvasGeometry``)
     canvas_tokens: int = DEFAULT_CANVAS_TOKENS
+    # The largest n, bad words and grammar a request may ask for (``request_limits.py``)
+    limits: RequestLimits = RequestLimits()
+    # JSON grammars allow whitespace between JSON tokens (default: compact JSON,
+    # ``compact_json.py``)
+    json_any_whitespace: bool = False
+    # Full attention: the KV between a block's steps (``capabilities.CACHE_MODES``)
+    cache_mode: str = "recompute"
 
     @property
     def policy(self) -> type:
@@ -102,6 +122,9 @@ class DiffusionEngineConfig:
             "diffusion_row_buckets": self.row_buckets,
             "diffusion_max_steps_without_progress": self.max_steps_without_progress,
             "diffusion_canvas_tokens": self.canvas_tokens,
+            "diffusion_cache_mode": self.cache_mode,
+            **self.limits.to_options(),
+            ANY_WHITESPACE_KEY: self.json_any_whitespace,
             **dataclasses.asdict(self.policy_config),
         }
 
@@ -131,13 +154,8 @@ class DiffusionEngineConfig:
                 f"{self.policy_name!r} (per-request policy switching is not supported), "
                 f"got {shown(requested)}"
             )
-        valid = set(option_names(self.policy.config_cls)) | set(REQUEST_KEYS)
-        unknown = sorted(set(overrides) - valid, key=repr)
-        if unknown:
-            raise OptionError(
-                f"{source}: unknown option(s) {', '.join(map(shown, unknown))}; valid "
-                f"options for policy {self.policy_name!r} are {', '.join(sorted(valid))}"
-            )
+        refuse_unknown(overrides, {*option_names(self.policy.config_cls), *REQUEST_KEYS},
+                       source, f" for policy {self.policy_name!r}")
         config = parse_options(self.policy.config_cls, overrides, source=source,
                                base=self.policy_config)
         for name in getattr(self.policy.config_cls, "engine_only", ()):
@@ -208,24 +226,42 @@ def parse_engine_options(values: Mapping[str, Any], *, config_block_size: int | 
     canvas_tokens = Rule(int, low=1, high=1 << 20).check(
         "diffusion_canvas_tokens", values.pop("diffusion_canvas_tokens", DEFAULT_CANVAS_TOKENS),
         source)
+    cache_mode = values.pop("diffusion_cache_mode", "recompute")
+    limits = parse_request_limits(values, source)
+    json_any_whitespace = parse_any_whitespace(values, source)
     options = set(option_names(policy.config_cls))
     model = model or ModelCapabilities(family="an unnamed model")
     if model.attention == "full" and canvas_tokens % block_size:
         raise OptionError(f"{source}: option 'diffusion_canvas_tokens' must be a multiple of "
                           f"the diffusion block size ({block_size}), got {canvas_tokens}")
+    check_cache_mode(cache_mode, model, source)
     values = {**{k: v for k, v in model.option_defaults.items() if k in options}, **values}
-    valid = set(ENGINE_KEYS) | options
-    unknown = sorted(set(values) - valid, key=repr)
-    if unknown:
-        raise OptionError(
-            f"{source}: unknown option(s) {', '.join(map(shown, unknown))}; valid options "
-            f"for policy {policy_name!r} are {', '.join(sorted(valid))}"
-        )
+    refuse_unknown(values, {*ENGINE_KEYS, *options}, source, f" for policy {policy_name!r}")
     policy_config = parse_options(policy.config_cls, values, source=source)
     policy_config.validate_for_block(block_size, source)
     return DiffusionEngineConfig(policy_name, block_size, mask_token_id, policy_config,
                                  logits_memory_mib, row_buckets,
-                                 max_steps_without_progress, model, canvas_tokens)
+                                 max_steps_without_progress, model, canvas_tokens, limits,
+                                 json_any_whitespace=json_any_whitespace,
+                                 cache_mode=cache_mode)
+
+
+def check_cache_mode(cache_mode: Any, model: ModelCapabilities, source: str) -> None:
+    """``diffusion_cache_mode`` is one of ``CACHE_MODES``; an approximate cache needs a
+    full-attention model whose logits are not shifted."""
+    if cache_mode not in CACHE_MODES:
+        raise OptionError(f"{source}: option 'diffusion_cache_mode' must be one of "
+                          f"{', '.join(CACHE_MODES)}, got {shown(cache_mode)}")
+    if cache_mode == "recompute":
+        return
+    if model.attention != "full":
+        raise OptionError(f"{source}: option 'diffusion_cache_mode' {cache_mode!r} is for "
+                          f"full-attention models; {model.family} attends block-causally "
+                          "and keeps exact KV of its committed blocks")
+    if model.shifted_logits:
+        raise OptionError(f"{source}: option 'diffusion_cache_mode' {cache_mode!r} is not "
+                          f"served for {model.family} yet: its logits are shifted, and "
+                          "Fast-dLLM's block loop for it is not implemented")
 
 
 def engine_config_from_vllm(vllm_config: Any) -> DiffusionEngineConfig:

@@ -3,7 +3,8 @@
 ``DiffusionModelConfigHook`` is installed in vLLM's per-architecture config hooks
 (``MODELS_CONFIG_MAP``) for the plugin's architectures (``architectures.py``). When vLLM builds its configuration it
 resolves and validates the diffusion options, stores them in ``additional_config`` (which
-every process receives), and selects the diffusion scheduler and worker.
+every process receives), selects the diffusion scheduler and worker, and makes JSON
+grammars compact (``compact_json.py``).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from vllm.logger import init_logger
 from vllm.model_executor.models.config import VerifyAndUpdateConfig
 
 from vllm_diffusion.capabilities import ModelCapabilities, model_refusal, refusal
+from vllm_diffusion.compact_json import apply_json_layout
 from vllm_diffusion.config import ROLLBACK_BACKENDS, parse_engine_options, store_resolved
 from vllm_diffusion.models.configs import model_capabilities
 from vllm_diffusion.policies import POLICIES
@@ -118,6 +120,8 @@ class DiffusionModelConfigHook(VerifyAndUpdateConfig):
                 f"structured outputs backend {structured.backend!r} cannot roll back a "
                 "matcher, which block decoding needs to check a block's proposals; use "
                 f"one of auto, {', '.join(ROLLBACK_BACKENDS)}")
+        if structured is not None:
+            apply_json_layout(structured, config.json_any_whitespace)
 
         if os.environ.get("VLLM_USE_V2_MODEL_RUNNER", "0") not in ("0", "false", "False"):
             raise ValueError(
@@ -167,5 +171,7 @@ class DiffusionModelConfigHook(VerifyAndUpdateConfig):
         if (scheduler_config.max_num_scheduled_tokens or needed) < needed:
             scheduler_config.max_num_scheduled_tokens = needed
 
-        logger.info("vllm-diffusion: policy %s, diffusion block size %d, mask token %d",
-                    config.policy_name, block, config.mask_token_id)
+        logger.info("vllm-diffusion: policy %s, diffusion block size %d, mask token %d, %s",
+                    config.policy_name, block, config.mask_token_id,
+                    "JSON with any whitespace" if config.json_any_whitespace
+                    else "compact JSON (diffusion_json_any_whitespace allows whitespace)")

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any, TypeVar
 
 T = TypeVar("T")
@@ -29,6 +29,29 @@ def shown(value: Any) -> str:
     if len(text) <= ECHO_LIMIT:
         return text
     return f"{text[:ECHO_LIMIT]}... ({len(text)} characters)"
+
+
+LISTED_LIMIT = 5  # items of a client's list named in an error message
+
+
+def listed(values: Iterable[Any]) -> str:
+    """The first ``LISTED_LIMIT`` values, each ``shown``, and how many more there are (a
+    client can send ten thousand unknown keys)."""
+    values = list(values)
+    head = ", ".join(shown(v) for v in values[:LISTED_LIMIT])
+    more = len(values) - LISTED_LIMIT
+    return f"{head} and {more} more" if more > 0 else head
+
+
+def refuse_unknown(given: Iterable[str], valid: Iterable[str], source: str,
+                   valid_for: str = "") -> None:
+    """Raise ``OptionError`` naming the keys of ``given`` outside ``valid`` (the first
+    few and a count) and the valid ones; ``valid_for``: what they are valid for."""
+    valid = set(valid)
+    unknown = sorted(set(given) - valid, key=repr)
+    if unknown:
+        raise OptionError(f"{source}: unknown option(s) {listed(unknown)}; valid options"
+                          f"{valid_for} are {', '.join(sorted(valid))}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,12 +149,7 @@ def parse_options(cls: type[T], values: Mapping[str, Any], *, source: str,
     ``base`` supplies the values of fields that ``values`` does not mention.
     """
     known = {f.name: f for f in dataclasses.fields(cls)}
-    unknown = sorted(set(values) - set(known), key=repr)
-    if unknown:
-        raise OptionError(
-            f"{source}: unknown option(s) {', '.join(map(repr, unknown))}; "
-            f"valid options are {', '.join(sorted(known))}"
-        )
+    refuse_unknown(values, known, source)
     checked = {
         name: known[name].metadata["rule"].check(name, value, source)
         for name, value in values.items()

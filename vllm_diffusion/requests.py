@@ -15,7 +15,7 @@ from vllm.exceptions import VLLMValidationError
 
 from vllm_diffusion.capabilities import refusal, request_refusal
 from vllm_diffusion.config import ROLLBACK_BACKENDS, DiffusionEngineConfig, wants_step_map
-from vllm_diffusion.options import OptionError, shown
+from vllm_diffusion.options import OptionError, listed, shown
 
 # torch.Generator.manual_seed accepts exactly this range; a seed outside it would raise
 # in the worker when the request's generator is built.
@@ -139,7 +139,7 @@ def validate_satisfiable(params: Any, config: DiffusionEngineConfig, vocab_size:
     if params.min_tokens and params.all_stop_token_ids:
         barred |= set(params.all_stop_token_ids)
         why.append(f"min_tokens={params.min_tokens} (its stop tokens "
-                   f"{sorted(params.all_stop_token_ids)})")
+                   f"{listed(sorted(params.all_stop_token_ids))})")
     # barred ids are vocabulary ids (vLLM checks them), so the whole vocabulary has one left
     # unless every id is barred
     if (allowed - barred) if allowed is not None else len(barred) < vocab_size:

@@ -2,10 +2,10 @@
 every family's configuration and capabilities.
 
 SDAR is Qwen3 (and SDAR-MoE is Qwen3-MoE) with a block-diffusion mask and a mask token;
-LLaDA2 is the Ling-2.0 (BailingMoeV2) architecture with one; the full-attention families
-(LLaDA 1.x, Dream) are in ``full_attention_configs``. Registering these lets
-``model_type: sdar`` / ``sdar_moe`` / ``llada2_moe`` / ``llada`` / ``Dream`` load without
-remote code.
+LLaDA2 is the Ling-2.0 (BailingMoeV2) architecture with one; Fast-dLLM v2 is in
+``fast_dllm_v2_config``, the full-attention families (LLaDA 1.x, Dream) in
+``full_attention_configs``. Registering these lets ``model_type: sdar`` / ``sdar_moe`` /
+``llada2_moe`` / ``Fast_dLLM_Qwen`` / ``llada`` / ``Dream`` load without remote code.
 """
 
 from typing import Any
@@ -13,6 +13,8 @@ from typing import Any
 from transformers import PretrainedConfig, Qwen3Config, Qwen3MoeConfig
 
 from vllm_diffusion.capabilities import ModelCapabilities
+from vllm_diffusion.models.fast_dllm_v2_config import (FastDLLMQwenConfig,
+                                                       fast_dllm_v2_capabilities)
 from vllm_diffusion.models.full_attention_configs import (FULL_ATTENTION_CAPABILITIES,
                                                           DreamConfig, LLaDAConfig)
 
@@ -153,6 +155,7 @@ FAMILY_CAPABILITIES = {
     SDARConfig.model_type: lambda config: ModelCapabilities(family="SDAR"),
     SDARMoeConfig.model_type: lambda config: ModelCapabilities(family="SDAR-MoE"),
     LLaDA2MoeConfig.model_type: _llada2_capabilities,
+    FastDLLMQwenConfig.model_type: fast_dllm_v2_capabilities,
     **FULL_ATTENTION_CAPABILITIES,
 }
 
@@ -176,3 +179,4 @@ def register_hf_configs() -> None:
     AutoConfig.register(LLaDA2MoeConfig.model_type, LLaDA2MoeConfig, exist_ok=True)
     AutoConfig.register(LLaDAConfig.model_type, LLaDAConfig, exist_ok=True)
     AutoConfig.register(DreamConfig.model_type, DreamConfig, exist_ok=True)
+    AutoConfig.register(FastDLLMQwenConfig.model_type, FastDLLMQwenConfig, exist_ok=True)

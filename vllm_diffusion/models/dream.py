@@ -1,11 +1,11 @@
 """Dream (``DreamModel``, ``model_type: Dream``; Dream-v0-Base/Instruct-7B): Qwen2.5's
 weights run as a masked-diffusion model whose every position attends to every other.
 
-The published ``modeling_dream.py`` is Qwen2 with the causal mask removed: biases on
-q/k/v (none on ``o_proj``), no q/k norm, rotate-half RoPE from ``rope_theta`` (and
-``rope_scaling``), SwiGLU MLP, pre-norm RMSNorm layers, the LM head tied to the embedding
-where ``tie_word_embeddings``. The weight names are Qwen2's (``model.layers...``,
-``lm_head``), so vLLM's Qwen2 model loads them.
+The published ``modeling_dream.py`` is Qwen2 with the causal mask removed
+(``qwen2_layers.py``: biases on q/k/v, none on ``o_proj``, no q/k norm, rotate-half RoPE,
+SwiGLU MLP, pre-norm RMSNorm layers), the LM head tied to the embedding where
+``tie_word_embeddings``. The weight names are Qwen2's (``model.layers...``, ``lm_head``),
+so vLLM's Qwen2 model loads them.
 
 Its logits are shifted: position j's token is predicted by row j - 1 (Dream is initialised
 from an autoregressive model). The model computes each row's logits as they are; the
@@ -14,99 +14,9 @@ shift is declared in the family's capabilities (``shifted_logits``) for the engi
 
 from __future__ import annotations
 
-import torch
-import torch.nn as nn
-
-from vllm.config import VllmConfig, get_current_vllm_config
-from vllm.model_executor.layers.layernorm import RMSNorm
-from vllm.model_executor.layers.linear import QKVParallelLinear, RowParallelLinear
-from vllm.model_executor.layers.rotary_embedding import get_rope
-from vllm.model_executor.models.qwen2 import Qwen2MLP, Qwen2Model
-from vllm.model_executor.models.utils import extract_layer_index
-from vllm.transformers_utils.config import set_default_rope_theta
-
-from vllm_diffusion.models.attention_heads import init_block_diffusion_heads
-from vllm_diffusion.models.causal_lm import DiffusionCausalLM, PreNormHalves, run_layers
-from vllm_diffusion.models.step_run import StepRun
+from vllm_diffusion.models.qwen2_layers import Qwen2DiffusionForCausalLM
 
 
-class DreamAttention(nn.Module):
-    """Qwen2's attention (q/k/v biases, no q/k norm), split into ``project`` and
-    ``attend`` as ``SDARAttention``."""
-
-    def __init__(self, config, vllm_config: VllmConfig, prefix: str) -> None:
-        super().__init__()
-        total_heads, total_kv_heads = config.num_attention_heads, config.num_key_value_heads
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // total_heads
-        init_block_diffusion_heads(self, config, vllm_config, prefix, head_dim)
-        quant_config = vllm_config.quant_config
-        self.qkv_proj = QKVParallelLinear(
-            config.hidden_size, self.head_dim, total_heads, total_kv_heads, bias=True,
-            quant_config=quant_config, prefix=f"{prefix}.qkv_proj")
-        self.o_proj = RowParallelLinear(total_heads * self.head_dim, config.hidden_size,
-                                        bias=False, quant_config=quant_config,
-                                        prefix=f"{prefix}.o_proj")
-        self.rotary_emb = get_rope(self.head_dim,
-                                   max_position=config.max_position_embeddings,
-                                   rope_parameters=config.rope_parameters)
-
-    def project(self, positions: torch.Tensor, hidden_states: torch.Tensor
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Queries [T, H * D], keys and values [T, H_kv * D], after RoPE."""
-        qkv, _ = self.qkv_proj(hidden_states)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q, k = self.rotary_emb(positions, q, k)
-        return q, k, v
-
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """Stores the keys/values of all k rows, attends for the q rows: [T_q, hidden]."""
-        output, _ = self.o_proj(self.attn(q, k, v))
-        return output
-
-
-class DreamDecoderLayer(PreNormHalves, nn.Module):
-    """The published ``DreamDecoderLayer`` (Qwen2's pre-norm order: ``PreNormHalves``)."""
-
-    def __init__(self, *, prefix: str = "", vllm_config: VllmConfig | None = None,
-                 **unused) -> None:
-        # Qwen2's model passes (config, cache_config, quant_config); all three are parts of
-        # the config being built.
-        super().__init__()
-        vllm_config = vllm_config or get_current_vllm_config()
-        config = vllm_config.model_config.hf_text_config
-        set_default_rope_theta(config, default_theta=10000)
-        self.layer_index = extract_layer_index(prefix)
-        self.self_attn = DreamAttention(config, vllm_config, f"{prefix}.self_attn")
-        self.mlp = Qwen2MLP(hidden_size=config.hidden_size,
-                            intermediate_size=config.intermediate_size,
-                            hidden_act=config.hidden_act,
-                            quant_config=vllm_config.quant_config, prefix=f"{prefix}.mlp")
-        self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-
-    @property
-    def attention_module(self) -> nn.Module:
-        return self.self_attn
-
-
-class DreamBaseModel(Qwen2Model):
-    """Qwen2's model (embedding, layers, norm, weight loading) on ``DreamDecoderLayer``."""
-
-    def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
-        super().__init__(vllm_config=vllm_config, prefix=prefix,
-                         decoder_layer_type=DreamDecoderLayer)
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                intermediate_tensors=None, inputs_embeds=None,
-                stack_run: StepRun | None = None) -> torch.Tensor:
-        return run_layers(self, input_ids, positions, stack_run)
-
-
-class DreamModel(DiffusionCausalLM):
-    """The model, its LM head (tied where the config says) and per-row logits, with
-    Qwen2's weight names."""
-
-    model_cls = DreamBaseModel
-    packed_modules_mapping = {"qkv_proj": ["q_proj", "k_proj", "v_proj"],
-                              "gate_up_proj": ["gate_proj", "up_proj"]}
-    embedding_modules = {"embed_tokens": "input_embeddings", "lm_head": "output_embeddings"}
+class DreamModel(Qwen2DiffusionForCausalLM):
+    """Dream's checkpoint class (``architectures: [DreamModel]``): Qwen2's model, LM head
+    and per-row logits."""

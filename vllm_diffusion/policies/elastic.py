@@ -45,16 +45,21 @@ c counts the undecided positions a step computes per request (the chunk window o
 context; with ``chunk_reuse``, the default here as in the paper's prefix caching, those
 keep their KV, so a request computes about c positions). Every ``explore_every``-th step
 one request (in turn) decodes at the least observed size, so every estimate keeps being
-measured without moving the batch off its choice. A request's own ``chunk_size`` overrides
-the choice for it. Unmasking is the strategies' (``unmasking.py``); committed KV is exact
-whatever the chunk.
+measured without moving the batch off its choice. Unmasking is the strategies'
+(``unmasking.py``); committed KV is exact whatever the chunk.
+
+The chunk a request decodes at depends on the load (the batch it runs in, the latency
+measured, its turn to explore), and so does its output, greedy included: the chunk
+decides which positions a step sees and may commit. A request's own ``chunk_size`` pins
+its chunk (neither the choice nor exploration moves it), so identical greedy requests
+with the same pin decode to the same output whatever else runs, as under ``standard``.
 
 Remaining deviations: the paper profiles T offline per model and GPU; here it is learned
 in service (a profile is optional). The paper measures N_commit per size; here a size is
 also credited with what larger windows committed in its positions (a smaller window sees
-less of the block, so its own confidences can differ). The paper's exploration is not specified; ours is one
-request per ``explore_every`` steps. Token editing is refused (a chunk leaves positions
-without a new proposal).
+less of the block, so its own confidences can differ). The paper's exploration is not
+specified; ours is one request per ``explore_every`` steps. Token editing is refused (a
+chunk leaves positions without a new proposal).
 """
 
 from __future__ import annotations
@@ -195,6 +200,7 @@ class ElasticPolicy(StrategyPolicy[ElasticConfig, ChunkWindow]):
         request.policy_state.start_block()
 
     def plan_step(self, request: ElasticRequest) -> BlockStepPlan:
+        # a request's own chunk_size pins its chunk (its output then ignores the load)
         chunk = (request.policy_config.chunk_size or self.explored.get(request.req_id)
                  or self.step_chunk)
         return request.policy_state.plan(request.canvas, self.mask_token_id,

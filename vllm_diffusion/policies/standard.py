@@ -33,7 +33,8 @@ class StandardPolicy(StrategyPolicy[StandardConfig, ChunkWindow]):
         chunked = options.get("chunk_size") is not None or options.get("chunk_reuse", False)
         return dataclasses.replace(super().traits(options), partial_blocks=(
             "options 'chunk_size' and 'chunk_reuse' compute part of a block in a forward; "
-            "remove them") if chunked else None, attention_regimes=("block_causal", "full"))
+            "remove them") if chunked else None, attention_regimes=("block_causal", "full"),
+            shifted_logits=True)
 
     def new_state(self, config: StandardConfig) -> ChunkWindow:
         return ChunkWindow(self.block_size)

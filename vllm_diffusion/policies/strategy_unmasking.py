@@ -20,7 +20,8 @@ from vllm_diffusion.policies.joint_editing import (ALTERNATIVES, EditTokens, Joi
                                                    JointStep, joint_step)
 from vllm_diffusion.policies.timestep_schedule import (SCHEDULE_RANKINGS,
                                                        batched_timestep_quota)
-from vllm_diffusion.policies.unmasking import STRATEGIES, StrategyConfig, batched_choose_commits
+from vllm_diffusion.policies.unmasking import (STRATEGIES, StrategyConfig, active_sub_block,
+                                               batched_choose_commits)
 from vllm_diffusion.step.plans import CommitBatch, EditBatch
 from vllm_diffusion.step.request import DiffusionRequest
 
@@ -83,17 +84,21 @@ class StrategyUnmasking(BlockUnmasking[StrategyConfig, Any]):
     def choose_commits(self, batch: CommitBatch) -> torch.Tensor:
         configs = [r.policy_config for r in batch.requests]
         codes = _strategy_codes(batch)
-        # the schedule's options only where a block follows it (not on every step)
+        # a strategy's own options only where a block follows it (not on every step)
         scheduled = bool((codes == STRATEGIES.index("timestep_schedule")).any())
+        bounded = bool((codes == STRATEGIES.index("entropy_bounded")).any())
         return batched_choose_commits(
-            batch.confidence, batch.masked, self._steps_taken(batch),
+            batch.confidence, self._candidates(batch), self._steps_taken(batch),
             self._steps_allowed(batch), codes,
             torch.tensor([c.threshold for c in configs], dtype=torch.float32),
             batch.entropy,
-            torch.tensor([c.entropy_bound for c in configs], dtype=torch.float32),
+            torch.tensor([c.entropy_bound for c in configs], dtype=torch.float32)
+            if bounded else None,
             _eps(batch) if scheduled else None,
             torch.tensor([SCHEDULE_RANKINGS.index(c.alg) for c in configs],
-                         dtype=torch.long) if scheduled else None)
+                         dtype=torch.long) if scheduled else None,
+            torch.tensor([c.entropy_bounded_order == "confidence" for c in configs])
+            if bounded else None)
 
     def scheduled_idle(self, batch: CommitBatch) -> list[bool]:
         """Blocks under ``timestep_schedule`` whose quota this step is 0 before their last
@@ -101,10 +106,19 @@ class StrategyUnmasking(BlockUnmasking[StrategyConfig, Any]):
         scheduled = _strategy_codes(batch) == STRATEGIES.index("timestep_schedule")
         if not bool(scheduled.any()):
             return [False] * len(batch.requests)
-        num_masked = batch.masked.sum(dim=1)
+        num_masked = self._candidates(batch).sum(dim=1)
         quota = batched_timestep_quota(num_masked, self._steps_taken(batch),
                                        self._steps_allowed(batch), _eps(batch), scheduled)
         return (scheduled & (num_masked > 0) & (quota == 0)).tolist()
+
+    def _candidates(self, batch: CommitBatch) -> torch.Tensor:
+        """[R, B] bool: the masked positions a step may commit: each block's computed
+        masks, within its active sub-block where ``sub_block_size`` is set."""
+        sizes = [r.policy_config.sub_block_size for r in batch.requests]
+        if all(size is None for size in sizes):
+            return batch.masked
+        return active_sub_block(batch.masked, torch.tensor(
+            [self.block_size if size is None else size for size in sizes], dtype=torch.long))
 
     def _steps_taken(self, batch: CommitBatch) -> torch.Tensor:
         """[R] int64: each block's denoising steps before this one."""

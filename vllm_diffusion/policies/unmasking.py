@@ -8,12 +8,11 @@ Following SDAR's published ``generate.py`` and LMDeploy:
 - ``sequential``: commit the leftmost quota of masked positions.
 - ``threshold`` (LMDeploy / SGLang): commit the most confident masked position plus every
   masked position with confidence at least ``threshold``.
-- ``entropy_bounded`` (EB-sampler, Ben-Hamu et al., arXiv 2505.24857): order the masked
-  positions by confidence and commit the longest prefix of that order whose summed
+- ``entropy_bounded`` (EB-sampler, Ben-Hamu et al., arXiv 2505.24857): the masked
+  positions in ``entropy_bounded_order`` (``entropy``: lowest first, the default, as the
+  public implementations; ``confidence``: highest first), the longest prefix whose summed
   entropy, minus the largest entropy in it, is at most ``entropy_bound``; at least one
-  position per step. Entropy: of each position's proposal distribution (greedy: the
-  softmax of its processed logits; sampled: the scaled, filtered distribution drawn
-  from).
+  position per step; see ``entropy_bounded.py``.
 - ``timestep_schedule`` (Dream's ``diffusion_generate``): at step s of ``denoising_steps``
   (the published ``steps``), the top ``int(M * (1 - t_{s+1} / t_s))`` of the M masked
   positions over the timesteps ``linspace(1, eps, steps + 1)``, ranked by ``alg``
@@ -39,6 +38,7 @@ import torch
 
 from vllm_diffusion.options import OptionError, Rule, option
 from vllm_diffusion.policies.base import PolicyConfig
+from vllm_diffusion.policies.entropy_bounded import ENTROPY_BOUNDED_ORDERS, entropy_bounded_commits
 from vllm_diffusion.policies.timestep_schedule import (SCHEDULE_RANKINGS, UNSERVED_ALGS,
                                                        batched_timestep_quota,
                                                        schedule_score, timestep_quota)
@@ -60,12 +60,19 @@ class StrategyConfig(PolicyConfig):
     # gamma of ``entropy_bounded`` (nats); 0.1 as the public EB-sampler implementations
     # default to (the paper sweeps 1e-3 to 1)
     entropy_bound: float = option(0.1, Rule(float, low=0.0, high=1e6))
+    # the order in which ``entropy_bounded`` takes the masked positions: lowest entropy
+    # first (the public implementations'), or highest confidence first
+    entropy_bounded_order: str = option("entropy", Rule(str, choices=ENTROPY_BOUNDED_ORDERS))
     # ``timestep_schedule`` (Dream's ``diffusion_generate``): the last of the timesteps
     # ``linspace(1, eps, steps + 1)``, and the published ``alg`` ranking the masks
     # (``maskgit_plus``, ``entropy``; ``topk_margin`` and ``origin`` are refused)
     eps: float = option(1e-3, Rule(float, low=0.0, high=1.0))
     alg: str = option("maskgit_plus", Rule(str, choices=(*SCHEDULE_RANKINGS,
                                                          *UNSERVED_ALGS)))
+    # Sub-blocks of this many positions, decoded left to right (Fast-dLLM v2): a step
+    # commits only in the leftmost sub-block still holding a computed mask; None: the
+    # whole block at once. Must divide the block size.
+    sub_block_size: int | None = option(None, Rule(int, low=1, high=1024, optional=True))
     # Cap on denoising steps per block; None means one step per block position.
     denoising_steps: int | None = option(None, Rule(int, low=1, high=4096, optional=True))
     # LLaDA2.1 token editing: a filled position of the current block takes the model's
@@ -99,6 +106,10 @@ class StrategyConfig(PolicyConfig):
                 f"{source}: option 'max_steps_per_block' must be at most the engine's "
                 f"'max_steps_per_block_limit' ({self.max_steps_per_block_limit}), got "
                 f"{self.max_steps_per_block}")
+        if self.sub_block_size is not None and block_size % self.sub_block_size:
+            raise OptionError(
+                f"{source}: option 'sub_block_size' must divide the block size "
+                f"({block_size}), got {self.sub_block_size}")
         if self.denoising_steps is not None and self.denoising_steps > block_size:
             raise OptionError(
                 f"{source}: option 'denoising_steps' must be at most the block size "
@@ -166,7 +177,11 @@ def choose_commits(confidence: torch.Tensor, masked: torch.Tensor, step: int,
     elif strategy == "entropy_bounded":
         if step >= steps - 1:
             return masked.clone()
-        order = top_by_confidence(conf, num_masked).tolist()
+        if config.entropy_bounded_order == "entropy":
+            low_first = torch.where(masked, entropy, torch.full_like(entropy, float("inf")))
+            order = torch.sort(low_first, stable=True).indices[:num_masked].tolist()
+        else:
+            order = top_by_confidence(conf, num_masked).tolist()
         total = largest = 0.0
         count = 0
         for position in order:
@@ -186,21 +201,35 @@ def choose_commits(confidence: torch.Tensor, masked: torch.Tensor, step: int,
     return commit
 
 
+def active_sub_block(masked: torch.Tensor, sub_block_size: torch.Tensor) -> torch.Tensor:
+    """[R, B] bool: the masked positions in each block's leftmost sub-block holding one
+    (``masked`` [R, B] bool; ``sub_block_size`` [R] int64, the block size where a block
+    has no sub-blocks). A block with no masked position keeps none."""
+    block = masked.shape[1]
+    positions = torch.arange(block)
+    first = torch.where(masked, positions, block).min(dim=1).values  # [R]
+    sub_block = positions[None, :] // sub_block_size[:, None]  # [R, B]
+    return masked & (sub_block == (first // sub_block_size)[:, None])
+
+
 def batched_choose_commits(confidence: torch.Tensor, masked: torch.Tensor,
                            steps_taken: torch.Tensor, steps_allowed: torch.Tensor,
                            strategy: torch.Tensor, threshold: torch.Tensor,
                            entropy: torch.Tensor | None = None,
                            entropy_bound: torch.Tensor | None = None,
                            eps: torch.Tensor | None = None,
-                           alg: torch.Tensor | None = None) -> torch.Tensor:
+                           alg: torch.Tensor | None = None,
+                           entropy_bounded_by_confidence: torch.Tensor | None = None
+                           ) -> torch.Tensor:
     """``choose_commits`` for R blocks at once (the engine's path; tested against it).
 
     confidence, masked: [R, B]; steps_taken (the block's step), steps_allowed (its
     ``steps_for``), strategy (index into ``STRATEGIES``): [R] int64; threshold: [R] float;
     entropy: [R, B] and entropy_bound: [R] float (needed where a block uses
-    ``entropy_bounded``); eps: [R] float64 and alg: [R] int64 (an index into
-    ``SCHEDULE_RANKINGS``) where a block uses ``timestep_schedule`` (with entropy where
-    its alg is ``entropy``).
+    ``entropy_bounded``, with entropy_bounded_by_confidence: [R] bool, the blocks whose
+    ``entropy_bounded_order`` is ``confidence``); eps: [R] float64 and alg: [R] int64 (an
+    index into ``SCHEDULE_RANKINGS``) where a block uses ``timestep_schedule`` (with
+    entropy where its alg is ``entropy``).
     """
     num_rows, block = masked.shape
     num_masked = masked.sum(dim=1)
@@ -219,18 +248,14 @@ def batched_choose_commits(confidence: torch.Tensor, masked: torch.Tensor,
     last_step = (steps_taken >= steps_allowed - 1)[:, None]
     by_threshold = torch.where(
         last_step, masked, (masked & (confidence >= threshold[:, None])) | ((rank < 1) & masked))
-    if entropy is None:
-        if bool((strategy == STRATEGIES.index("entropy_bounded")).any()):
-            raise ValueError("the entropy_bounded strategy needs each proposal's entropy")
-        entropy_bounded = torch.zeros_like(masked)
+    if bool((strategy == STRATEGIES.index("entropy_bounded")).any()):
+        if entropy is None or entropy_bound is None or entropy_bounded_by_confidence is None:
+            raise ValueError("the entropy_bounded strategy needs each proposal's entropy, "
+                             "and each block's entropy_bound and order")
+        entropy_bounded = torch.where(last_step, masked, entropy_bounded_commits(
+            confidence, masked, entropy, entropy_bound, entropy_bounded_by_confidence))
     else:
-        # Masked positions by confidence: the summed entropy minus its running maximum
-        # never decreases along the order, so the positions within the bound are a prefix.
-        ordered = torch.where(masked, entropy, torch.zeros_like(entropy)).gather(1, order)
-        spread = ordered.cumsum(dim=1) - ordered.cummax(dim=1).values
-        within = (spread <= entropy_bound[:, None]) & masked.gather(1, order)
-        count = within.sum(dim=1, keepdim=True).clamp(min=1)
-        entropy_bounded = torch.where(last_step, masked, (rank < count) & masked)
+        entropy_bounded = torch.zeros_like(masked)
     scheduled = strategy == STRATEGIES.index("timestep_schedule")  # [R]
     if bool(scheduled.any()):
         if eps is None or alg is None:

@@ -7,12 +7,19 @@ a 503 error once the engine is down, and in vLLM's default abort mode
 with a 200 holding a partial output and finish_reason "abort": vLLM's error handling
 answers it with HTTP 503 "the server is shutting down" (a stream gets it as its error
 chunk), without the traceback an engine failure logs. In drain mode the requests finish
-first; those the drain leaves get the 503."""
+first; those the drain leaves get the 503.
+
+A request the HTTP server accepted just before the signal but had not yet handed to the
+engine would otherwise meet a renderer whose thread pool is shut down (HTTP 500 "cannot
+schedule new futures after shutdown") or a dead engine: once shutdown begins, rendering
+and ``add_request`` answer the same 503."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
+import weakref
 
 from vllm_diffusion.seams._wrapping import first_wrap, serves_diffusion_model
 
@@ -28,12 +35,38 @@ def shutting_down_error():
                              "retry it on another instance", HTTPStatus.SERVICE_UNAVAILABLE)
 
 
+# The diffusion engines, and their renderers, whose shutdown has begun.
+_SHUTTING_DOWN: weakref.WeakSet = weakref.WeakSet()
+
+
+def _refuse_after_shutdown(method):
+    """``method`` (async, on an engine or renderer) answers 503 once shutdown has begun,
+    also when it fails half-way because shutdown began meanwhile."""
+
+    @functools.wraps(method)
+    async def refusing(self, *args, **kwargs):
+        if self in _SHUTTING_DOWN:
+            raise shutting_down_error()
+        try:
+            return await method(self, *args, **kwargs)
+        except Exception as error:
+            if self in _SHUTTING_DOWN:
+                raise shutting_down_error() from error
+            raise
+
+    return refusing
+
+
 def install() -> None:
+    from vllm.renderers.base import BaseRenderer
     from vllm.v1.engine.async_llm import AsyncLLM
 
     if not first_wrap(AsyncLLM):
         return
     shutdown = AsyncLLM.shutdown
+    AsyncLLM.add_request = _refuse_after_shutdown(AsyncLLM.add_request)
+    BaseRenderer.render_chat_async = _refuse_after_shutdown(BaseRenderer.render_chat_async)
+    BaseRenderer.render_cmpl_async = _refuse_after_shutdown(BaseRenderer.render_cmpl_async)
 
     def fail_in_flight_requests(engine) -> None:
         # On the event loop's thread: the request queues are asyncio objects.
@@ -62,6 +95,10 @@ def install() -> None:
     def shutdown_and_end_in_flight_requests(self, timeout: float | None = None):
         handler = getattr(self, "output_handler", None)
         ours = handler is not None and serves_diffusion_model(self.vllm_config)
+        if serves_diffusion_model(getattr(self, "vllm_config", None)):
+            _SHUTTING_DOWN.add(self)
+            if (renderer := getattr(self, "renderer", None)) is not None:
+                _SHUTTING_DOWN.add(renderer)
         if ours and not timeout:
             # Abort mode (vLLM's default, shutdown_timeout 0): answer 503 before the
             # engine aborts the requests, which would end them as a 200 with

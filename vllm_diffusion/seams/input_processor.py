@@ -1,14 +1,20 @@
 """``InputProcessor``: request admission for the plugin's models (patches/README.md row
-3). Unsupported sampling parameters, invalid per-request policy options, prompts
-containing the mask token and constraints that leave no token for the output (checked
-once vLLM has resolved the stop tokens and bad words) are rejected with a
-``VLLMValidationError`` (HTTP 400), before the request reaches the engine."""
+3). Requests over the engine's limits on ``n``, bad words and grammar size (checked
+before vLLM validates a grammar or tokenizes bad words, ``request_limits.py``),
+unsupported sampling parameters, invalid per-request policy options, prompts containing
+the mask token and constraints that leave no token for the output (checked once vLLM has
+resolved the stop tokens and bad words) are rejected with a ``VLLMValidationError`` (HTTP
+400), before the request reaches the engine. Every error raised on this path for the
+plugin's models, vLLM's own validation's included, leaves with a message of at most 1 KB
+(``error_messages.py``)."""
 
 from __future__ import annotations
 
+import functools
 import weakref
 from typing import Any
 
+from vllm_diffusion.error_messages import errors_capped
 from vllm_diffusion.seams._wrapping import first_wrap, serves_diffusion_model
 
 # processor -> its resolved diffusion configuration (None: not one of the plugin's models)
@@ -26,10 +32,26 @@ def diffusion_config(processor: Any):
     return _CONFIGS[processor]
 
 
+def _capping_errors(method):
+    """``method`` of an ``InputProcessor``, whose errors for the plugin's models leave
+    with messages of at most 1 KB, vLLM's own validation's included
+    (``error_messages.errors_capped``); other models' errors are vLLM's as they are."""
+
+    @functools.wraps(method)
+    def capping(self, *args, **kwargs):
+        if diffusion_config(self) is None:
+            return method(self, *args, **kwargs)
+        with errors_capped():
+            return method(self, *args, **kwargs)
+
+    return capping
+
+
 def install() -> None:
     from vllm.sampling_params import SamplingParams
     from vllm.v1.engine.input_processor import InputProcessor
 
+    from vllm_diffusion.request_limits import check_bad_word_tokens, check_request_limits
     from vllm_diffusion.requests import (validate_prompt_ids, validate_sampling_params,
                                          validate_satisfiable)
 
@@ -40,9 +62,12 @@ def install() -> None:
     original_process_inputs = InputProcessor.process_inputs
 
     def _validate_params(self, params, supported_tasks):
-        result = original_validate_params(self, params, supported_tasks)
         config = diffusion_config(self)
-        if config is not None and isinstance(params, SamplingParams):
+        ours = config is not None and isinstance(params, SamplingParams)
+        if ours:  # before vLLM's own checks build the request's grammar
+            check_request_limits(params, config.limits)
+        result = original_validate_params(self, params, supported_tasks)
+        if ours:
             validate_sampling_params(params, config)
         return result
 
@@ -56,10 +81,11 @@ def install() -> None:
         request = original_process_inputs(self, *args, **kwargs)
         config = diffusion_config(self)
         if config is not None and request.sampling_params is not None:
+            check_bad_word_tokens(request.sampling_params, config.limits)
             validate_satisfiable(request.sampling_params, config,
                                  self.vllm_config.model_config.get_vocab_size())
         return request
 
-    InputProcessor._validate_params = _validate_params
-    InputProcessor.process_inputs = process_inputs
-    InputProcessor._validate_model_input = _validate_model_input
+    InputProcessor._validate_params = _capping_errors(_validate_params)
+    InputProcessor.process_inputs = _capping_errors(process_inputs)
+    InputProcessor._validate_model_input = _capping_errors(_validate_model_input)

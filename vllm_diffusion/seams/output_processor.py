@@ -9,7 +9,8 @@ A request the diffusion runner ended with an error carries the reason in its
 ``stop_reason`` (``step.failures``); vLLM's API server would answer every
 ``finish_reason`` "error" with a bare HTTP 500 "Internal server error". For requests
 served through ``AsyncLLM`` (the server), the failure replaces the request's output with a
-``GracefulHTTPError`` of its status and message, which ``AsyncLLM.generate`` raises as is:
+``GracefulHTTPError`` of its status and message (at most 1 KB, ``error_messages.py``),
+which ``AsyncLLM.generate`` raises as is:
 the client gets that status and message (a stream as its error event). The offline
 ``LLM`` keeps vLLM's output, with the reason as ``stop_reason``."""
 
@@ -26,6 +27,7 @@ def install() -> None:
     from vllm.v1.engine.output_processor import OutputProcessor
 
     from vllm_diffusion.config import STEP_MAP_KEY
+    from vllm_diffusion.error_messages import capped
     from vllm_diffusion.step.failures import Failure
 
     if not first_wrap(OutputProcessor):
@@ -51,7 +53,7 @@ def install() -> None:
                 failures.append((state.queue, failure))
         result = process_outputs(self, engine_core_outputs, *args, **kwargs)
         for queue, failure in failures:
-            queue.put(GracefulHTTPError(failure.message, HTTPStatus(failure.status)))
+            queue.put(GracefulHTTPError(capped(failure.message), HTTPStatus(failure.status)))
         return result
 
     OutputProcessor._trim_surplus_tokens = staticmethod(trim_surplus_tokens_and_step_map)

@@ -15,6 +15,8 @@ import dataclasses
 import re
 from typing import Any
 
+from vllm_diffusion.error_messages import capped
+
 _PREFIX = "vllm-diffusion error "
 _PATTERN = re.compile(rf"^{_PREFIX}(\d{{3}}): (.*)$", re.DOTALL)
 
@@ -34,6 +36,27 @@ class UnsatisfiableRequest(RequestFailure):
     status = 400
 
 
+# vLLM's ``StructuredOutputOptions`` names -> what the request's field is called
+_GRAMMAR_KINDS = {"JSON": "JSON schema", "JSON_OBJECT": "JSON object grammar",
+                  "STRUCTURAL_TAG": "structural tag"}
+
+
+class UncompilableGrammar(RequestFailure):
+    """The structured-output backend could not compile the request's grammar (an error
+    in it, or compilation past the backend's time limit) although vLLM's admission
+    check, which only parses it, passed it: a client error naming the grammar's kind
+    and the backend's reason."""
+
+    status = 400
+
+    def __init__(self, kind: Any, err: Exception) -> None:
+        """kind: vLLM's ``StructuredOutputOptions`` of the request (``REGEX``, ...)."""
+        name = getattr(kind, "name", str(kind))
+        what = _GRAMMAR_KINDS.get(name, name.lower().replace("_", " "))
+        super().__init__(f"structured_outputs: the {what} could not be compiled: "
+                         f"{type(err).__name__}: {err}")
+
+
 class NoProgress(RequestFailure):
     """The request wrote no token and ended no block for the engine's limit of
     consecutive denoising steps (``diffusion_max_steps_without_progress``; steps its
@@ -48,7 +71,7 @@ class Failure:
     message: str
 
     def as_stop_reason(self) -> str:
-        return f"{_PREFIX}{self.status}: {self.message}"
+        return f"{_PREFIX}{self.status}: {capped(self.message)}"
 
     @staticmethod
     def from_stop_reason(value: object) -> Failure | None:

@@ -17,17 +17,121 @@ several in one step, so here:
 
 Only the output counts, as in vLLM: a word may occur in the prompt, and an occurrence may
 not reach into it. Output positions are indices into the output (0: the first token after
-the prompt); undecided positions hold -1.
+the prompt); undecided positions hold -1 (word tokens are vocabulary ids, >= 0).
+
+Cost: ``barred_tokens`` and ``positions_to_undo`` look up words through ``BadWords``, an
+index by a word's last token and by the token before it, sorted by length: a position
+checks only words whose last (or next-to-last) token sits where the word would end, and
+that fit between the output's start and its decided run of tokens. Words longer than the
+output so far are never compared. ``barred_tokens_plain`` and ``positions_to_undo_plain``
+are the plain loops over every word and offset, with the same signatures and results
+(``tests/test_bad_words.py`` compares them on a grid).
 """
 
 from __future__ import annotations
 
+from bisect import bisect_left, bisect_right
+from collections.abc import Sequence
+
 UNDECIDED = -1
 
 
-def barred_tokens(context: list[int], index: int, words: list[list[int]]) -> set[int]:
+class BadWords(Sequence):
+    """A request's bad words (each a list of token ids), indexed for matching: a sequence
+    of the words, plus the words grouped by their last token (``ending_in``) and the
+    words of two tokens or more by their next-to-last token (``before_last``), each group
+    sorted by length with the lengths alongside (for ``bisect``)."""
+
+    def __init__(self, words: Sequence[Sequence[int]]) -> None:
+        # vLLM's lists as they are (copying a long word each step would cost its length)
+        self.words = [word if isinstance(word, list) else list(word) for word in words]
+        self.one_token = frozenset(word[0] for word in self.words if len(word) == 1)
+        self.longest = max(map(len, self.words), default=0)
+        self.ending_in: dict[int, list[list[int]]] = {}
+        self.before_last: dict[int, list[list[int]]] = {}
+        for word in sorted(self.words, key=len):
+            self.ending_in.setdefault(word[-1], []).append(word)
+            if len(word) > 1:
+                self.before_last.setdefault(word[-2], []).append(word)
+        self.ending_in_lengths = {t: [len(w) for w in group]
+                                  for t, group in self.ending_in.items()}
+        self.before_last_lengths = {t: [len(w) for w in group]
+                                    for t, group in self.before_last.items()}
+
+    def __getitem__(self, index):
+        return self.words[index]
+
+    def __len__(self) -> int:
+        return len(self.words)
+
+
+def indexed(words: Sequence[Sequence[int]]) -> BadWords:
+    """``words`` as a ``BadWords`` (itself if it is one)."""
+    return words if isinstance(words, BadWords) else BadWords(words)
+
+
+def barred_tokens(context: list[int], index: int, words: Sequence[Sequence[int]]
+                  ) -> set[int]:
     """Tokens that would complete a word at output position ``index`` of ``context`` (the
-    output so far, ``UNDECIDED`` where not decided)."""
+    output so far, ``UNDECIDED`` where not decided). ``words``: a ``BadWords``, or the
+    words (indexed here; pass a ``BadWords`` to index once for many positions)."""
+    words = indexed(words)
+    size = len(context)
+    if not 0 <= index < size:
+        return set()
+    barred = set(words.one_token)
+    # ``index`` is the word's last position: the tokens before it end at index - 1.
+    if index >= 1 and (group := words.before_last.get(context[index - 1])):
+        fitting = bisect_right(words.before_last_lengths[context[index - 1]], index + 1)
+        for word in group[:fitting]:  # start = index - len + 1 >= 0
+            if context[index + 1 - len(word):index - 1] == word[:-2]:
+                barred.add(word[-1])
+    # The word ends at ``end`` > index: every position between is decided, in the block.
+    end, last_end = index + 1, min(size, index + words.longest)
+    while end < last_end and context[end] != UNDECIDED:
+        if group := words.ending_in.get(context[end]):
+            lengths = words.ending_in_lengths[context[end]]
+            distance = end - index  # the word covers index: len > distance; start >= 0
+            for word in group[bisect_left(lengths, distance + 1):
+                              bisect_right(lengths, end + 1)]:
+                offset = len(word) - 1 - distance  # index is the word's offset-th token
+                if (context[index - offset:index] == word[:offset]
+                        and context[index + 1:end] == word[offset + 1:-1]):
+                    barred.add(word[offset])
+        end += 1
+    return barred
+
+
+def positions_to_undo(context: list[int], changed: list[int],
+                      words: Sequence[Sequence[int]]) -> list[int]:
+    """Output positions whose change this step must be undone: for every occurrence of a
+    word in ``context`` (the output after the step) that covers a position in ``changed``,
+    the rightmost such position. Sorted, without repeats. ``words`` as ``barred_tokens``."""
+    if not changed:
+        return []
+    words = indexed(words)
+    ordered = sorted(set(changed))
+    low, high = ordered[0], ordered[-1]
+    undo = set()
+    # An occurrence ends at ``end`` >= low and starts at or before high.
+    for end in range(max(low, 0), min(len(context), high + words.longest)):
+        group = words.ending_in.get(context[end])
+        if not group:
+            continue
+        lengths = words.ending_in_lengths[context[end]]
+        for word in group[bisect_left(lengths, end - high + 1):
+                          bisect_right(lengths, end + 1)]:
+            start = end + 1 - len(word)
+            if context[start:end + 1] == word:
+                rightmost = ordered[bisect_right(ordered, end) - 1]
+                if rightmost >= start:
+                    undo.add(rightmost)
+    return sorted(undo)
+
+
+def barred_tokens_plain(context: list[int], index: int, words: Sequence[Sequence[int]]
+                        ) -> set[int]:
+    """``barred_tokens`` as a plain loop over every word and offset (the reference)."""
     barred = set()
     for word in words:
         length = len(word)
@@ -40,18 +144,16 @@ def barred_tokens(context: list[int], index: int, words: list[list[int]]) -> set
     return barred
 
 
-def positions_to_undo(context: list[int], changed: list[int], words: list[list[int]]
-                      ) -> list[int]:
-    """Output positions whose change this step must be undone: for every occurrence of a
-    word in ``context`` (the output after the step) that covers a position in ``changed``,
-    the rightmost such position. Sorted, without repeats."""
+def positions_to_undo_plain(context: list[int], changed: list[int],
+                            words: Sequence[Sequence[int]]) -> list[int]:
+    """``positions_to_undo`` as a plain loop over every word and start (the reference)."""
     changed_set = set(changed)
     undo = set()
     if not changed:
         return []
     low, high = min(changed), max(changed)
     for word in words:
-        length = len(word)
+        word, length = list(word), len(word)
         for start in range(max(0, low - length + 1), min(high, len(context) - length) + 1):
             if context[start:start + length] != word:
                 continue
@@ -61,12 +163,14 @@ def positions_to_undo(context: list[int], changed: list[int], words: list[list[i
     return sorted(undo)
 
 
-def undo_completed_words(context: list[int], first_output: int, words: list[list[int]],
-                         commits, edits, before, after, mask_token_id: int) -> None:
+def undo_completed_words(context: list[int], first_output: int,
+                         words: Sequence[Sequence[int]], commits, edits, before, after,
+                         mask_token_id: int) -> None:
     """Apply ``positions_to_undo`` to one block's step decisions, in place, until no
     occurrence is left. context: the output before the step (``UNDECIDED`` where masked);
     first_output: the output index of the block's first position; commits, edits: [B]
     bool; before, after: [B] int64 the block's tokens before and after the step."""
+    words = indexed(words)
     while True:
         context_after = list(context)
         for position, token in enumerate(after.tolist()):

@@ -3,8 +3,10 @@
 Every position attends to every other, so a step computes the request's whole sequence:
 its known tokens (prompt and emitted output) before the current block, the block's canvas
 (decided tokens and masks), then masks to the canvas's end. Keys reach the canvas's end,
-nothing is committed (the published loops recompute every position at every step), and
-logits are made for the block's rows only: the canvas past the block is never decoded
+nothing is committed (the published loops recompute every position at every step; under
+Fast-dLLM's caches, ``CanvasGeometry.cache_mode``, only a block's first step does, and the
+later ones compute the block, and the canvas after it under ``prefix``, against the KV it
+wrote), and logits are made for the block's rows only: the canvas past the block is never decoded
 before its block (LLaDA's semi-autoregressive blocks). Where the model's logits are
 shifted (``ModelCapabilities.shifted_logits``: Dream's position j is predicted by row
 j - 1), the block's logits come from the rows one before it: from the last known token's
@@ -23,6 +25,7 @@ from vllm_diffusion.capabilities import ModelCapabilities
 from vllm_diffusion.policies.base import DecodingPolicy
 from vllm_diffusion.step.request import DiffusionRequest
 from vllm_diffusion.worker.geometry import BlockGeometry, CanvasGeometry
+from vllm_diffusion.worker.shifted_plan import ShiftedBlockPlanner
 from vllm_diffusion.worker.step_plan import BlockPlanner, KnownTokens, RequestRows, whole_block
 
 # The token standing at a block's positions past the canvas's end (max_tokens or
@@ -50,18 +53,22 @@ def plan_canvas_request(req_id: str, token_ids: KnownTokens, num_computed: int,
                                mask_token_id)
     if canvas is not previous:
         canvas.tokens[block_end - block_start:] = PAST_CANVAS_TOKEN
-    if canvas is not previous or resumed:
+    refresh = canvas is not previous or resumed
+    if refresh:
         policy.start_block(request, resumed=canvas is previous)
     plan = policy.plan_step(request)
     if plan.compute is not None or plan.key_end is not None:
         raise RuntimeError(f"the {policy.name} policy planned part of a block of a "
                            f"full-attention model (its traits should have refused it)")
     computed = block_end - block_start
-    tokens = (token_ids[0:block_start] + canvas.tokens[:computed].tolist()
-              + [mask_token_id] * (end - block_end))
-    return RequestRows(req_id, list(range(end)), tokens, end, 0, request,
+    rows = geometry.computed_rows(block_start, block_end, end, refresh)
+    tokens = (token_ids[rows.start:block_start] + canvas.tokens[:computed].tolist()
+              + [mask_token_id] * (rows.stop - block_end))
+    return RequestRows(req_id, list(rows), tokens, end, 0, request,
                        whole_block(block_size) if computed == block_size
-                       else torch.arange(computed), block_row_start=block_start - logits_shift)
+                       else torch.arange(computed),
+                       block_row_start=block_start - rows.start - logits_shift,
+                       kv_refresh=refresh and geometry.cache_mode != "recompute")
 
 
 class CanvasPlanner:
@@ -84,8 +91,10 @@ class CanvasPlanner:
 
 def step_planner(geometry: BlockGeometry | CanvasGeometry, mask_token_id: int,
                  model: ModelCapabilities) -> BlockPlanner | CanvasPlanner:
-    """The planner of the served model's geometry (``model``: its capabilities; shifted
-    logits are served under full attention only, ``capabilities.model_refusal``)."""
+    """The planner of the served model's geometry (``model``: its capabilities; where its
+    logits are shifted, a block's logits are read one row earlier)."""
     if isinstance(geometry, CanvasGeometry):
         return CanvasPlanner(geometry, mask_token_id, int(model.shifted_logits))
+    if model.shifted_logits:
+        return ShiftedBlockPlanner(geometry, mask_token_id)
     return BlockPlanner(geometry, mask_token_id)

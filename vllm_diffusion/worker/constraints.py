@@ -23,7 +23,8 @@ from typing import Any
 
 import torch
 
-from vllm_diffusion.worker.bad_words import UNDECIDED, barred_tokens
+from vllm_diffusion.options import listed
+from vllm_diffusion.worker.bad_words import UNDECIDED, BadWords, barred_tokens
 from vllm_diffusion.worker.sampling import ROW_NO_TOKEN, ROW_VALID
 
 
@@ -37,7 +38,7 @@ def constraints_in_use(params: Any, output_index: int) -> list[str]:
         used.append(f"bad_words ({len(params.bad_words_token_ids)} tokenizations)")
     if params.min_tokens and output_index < params.min_tokens:
         used.append(f"min_tokens={params.min_tokens} (its stop tokens "
-                    f"{sorted(params.all_stop_token_ids or ())} barred)")
+                    f"{listed(sorted(params.all_stop_token_ids or ()))} barred)")
     wanted = params.structured_outputs
     if wanted is not None and not wanted.all_constraints_none():
         used.append("structured_outputs (the grammar's allowed tokens)")
@@ -94,7 +95,7 @@ class PositionRules:
     allowed: frozenset[int] | None
     stops: frozenset[int]
     min_tokens: int
-    words: list[list[int]]
+    words: BadWords
     # its output so far through the block's end (``UNDECIDED`` where not decided), with
     # what the walk placed this step; empty without bad words
     context: list[int]
@@ -106,7 +107,7 @@ class PositionRules:
         """``context``: the request's output so far with its block (None: no bad words);
         copied and padded to the block's end, the walk's own copy for this step."""
         allowed = params.allowed_token_ids
-        words = list(params.bad_words_token_ids or [])
+        words = BadWords(params.bad_words_token_ids or [])
         context = list(context or []) if words else []
         if words:
             context += [UNDECIDED] * (first_output + block_size - len(context))

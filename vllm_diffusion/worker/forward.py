@@ -92,6 +92,7 @@ class StepForward:
         stats = self.stats
         stats.positions_computed += len(positions)
         stats.commits_reused += sum(r.reused_commit for r in rows)
+        stats.kv_refreshes += sum(r.kv_refresh for r in rows)
         stats.bucket_padding_rows += run.padding_rows if run is not None else 0
         counts = (run.layer_block_rows if run is not None else
                   [sum(len(s.block_rows) for s in step.requests if s.block_rows is not None)]

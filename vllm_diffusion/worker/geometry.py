@@ -55,7 +55,7 @@ class CanvasGeometry:
     """Full attention: a request's sequence is its prompt (P tokens) and a canvas of masks
     after it, every position attending to every other, so every step computes the whole
     sequence ``[0, canvas end)`` and nothing is committed (no KV is reused: the published
-    loops recompute it all). The canvas is decoded in blocks of ``block_size`` from the
+    loops recompute it all), except under an approximate cache (``computed_rows``). The canvas is decoded in blocks of ``block_size`` from the
     prompt's end (``[P + k B, P + (k + 1) B)``, LLaDA's semi-autoregressive blocks); the
     canvas holds ``max_tokens`` positions (the published ``gen_length``), but reaches at
     most ``canvas_tokens`` past the current block's start (a longer output decodes with
@@ -66,6 +66,19 @@ class CanvasGeometry:
     block_size: int
     canvas_tokens: int  # a multiple of block_size
     max_model_len: int
+    # Fast-dLLM's approximate caches (``capabilities.CACHE_MODES``): which rows a step
+    # after a block's first computes; the first (and one after a preemption) computes all
+    cache_mode: str = "recompute"
+
+    def computed_rows(self, block_start: int, block_end: int, end: int,
+                      refresh: bool) -> range:
+        """The positions a step computes: the whole sequence ``[0, end)`` where it
+        refreshes the KV (every step under ``recompute``); else the block and the canvas
+        after it (``prefix``) or the block alone (``dual``), against the KV the block's
+        refresh wrote for the other positions."""
+        if refresh or self.cache_mode == "recompute":
+            return range(0, end)
+        return range(block_start, end if self.cache_mode == "prefix" else block_end)
 
     def block_start(self, num_prompt: int, num_tokens: int) -> int:
         """Start of the block holding the next undecided position (``num_tokens``: prompt
@@ -79,9 +92,9 @@ class CanvasGeometry:
                    self.max_model_len)
 
 
-def step_geometry(attention: str, block_size: int, canvas_tokens: int, max_model_len: int
-                  ) -> BlockGeometry | CanvasGeometry:
+def step_geometry(attention: str, block_size: int, canvas_tokens: int, max_model_len: int,
+                  cache_mode: str = "recompute") -> BlockGeometry | CanvasGeometry:
     """The geometry of the served model's attention regime (``ModelCapabilities.attention``)."""
     if attention == "full":
-        return CanvasGeometry(block_size, canvas_tokens, max_model_len)
+        return CanvasGeometry(block_size, canvas_tokens, max_model_len, cache_mode)
     return BlockGeometry(block_size)

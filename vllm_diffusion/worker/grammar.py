@@ -40,6 +40,7 @@ from typing import Any
 import torch
 
 from vllm_diffusion.config import ROLLBACK_BACKENDS
+from vllm_diffusion.step.failures import UncompilableGrammar
 
 
 class GrammarCompiler:
@@ -75,15 +76,19 @@ class GrammarCompiler:
 
     def compile(self, params: Any) -> Any | None:
         """The request's grammar matcher (vLLM's ``StructuredOutputGrammar``), or None when
-        the request has no structured output."""
+        the request has no structured output; ``UncompilableGrammar`` (HTTP 400) where
+        the backend cannot compile it."""
         from vllm.v1.structured_output.request import StructuredOutputRequest
 
         request = StructuredOutputRequest.from_sampling_params(params)
         if request is None:
             return None
         kind, spec = request.structured_output_key
-        return self._backend(params.structured_outputs._backend).compile_grammar(
-            kind, spec, stop_token_ids=params.all_stop_token_ids)
+        backend = self._backend(params.structured_outputs._backend)
+        try:
+            return backend.compile_grammar(kind, spec, stop_token_ids=params.all_stop_token_ids)
+        except Exception as err:
+            raise UncompilableGrammar(kind, err) from err
 
     def jump_forward(self, grammar: Any) -> list[int]:
         """The tokens of the text the grammar forces next (xgrammar's jump-forward

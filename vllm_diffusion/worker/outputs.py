@@ -78,6 +78,9 @@ class DiffusionStats:
     tokens_split: int = 0  # SPLIT writes (edits that move tokens)
     bucket_padding_rows: int = 0  # rows added by 'diffusion_row_buckets' after drops
     commits_reused: int = 0  # blocks committed with their last forward's KV (stable end)
+    # full attention under Fast-dLLM's prefix or dual cache: steps whose forward rewrote
+    # every position's KV (each block's first step, and a step after a preemption)
+    kv_refreshes: int = 0
     grammar_fills: int = 0  # structured output: matcher bitmask fills
     grammar_accepts: int = 0  # structured output: tokens advanced through a matcher
     requests_failed: int = 0  # requests the runner ended with an error (all causes)

@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 
-from vllm_diffusion.worker.bad_words import barred_tokens
+from vllm_diffusion.worker.bad_words import BadWords, barred_tokens
 from vllm_diffusion.worker.logprobs import (
     LOGPROBS_MODES,
     columns,
@@ -118,7 +118,7 @@ def bad_words(batch: ProposalBatch) -> None:
         words = getattr(params, "bad_words_token_ids", None)
         if not words or rows.start == rows.stop:
             continue
-        context = batch.output_canvas[index]
+        context, words = batch.output_canvas[index], BadWords(words)  # indexed once
         for row in range(rows.start, rows.stop):
             barred = barred_tokens(context, int(batch.output_index[row]), words)
             if barred:

@@ -58,7 +58,8 @@ class DiffusionRunnerMixin:
         # attention regime (``geometry.py``)
         self.planner = step_planner(step_geometry(
             self.diffusion.model.attention, self.diffusion.block_size,
-            self.diffusion.canvas_tokens, self.vllm_config.model_config.max_model_len),
+            self.diffusion.canvas_tokens, self.vllm_config.model_config.max_model_len,
+            self.diffusion.cache_mode),
             self.diffusion.mask_token_id, self.diffusion.model)
         self.policy = self.diffusion.make_policy()
         hf_config = self.vllm_config.model_config.hf_config

@@ -37,6 +37,7 @@ from vllm.v1.spec_decode.metrics import SpecDecodingStats
 
 from vllm_diffusion.config import STEP_MAP_KEY, engine_config_from_vllm
 from vllm_diffusion.metrics import StepCounters, encode_counters
+from vllm_diffusion.step.failures import Failure, UncompilableGrammar
 from vllm_diffusion.worker.geometry import CanvasGeometry, step_geometry
 from vllm_diffusion.worker.outputs import DiffusionRunnerOutput, require_diffusion_output
 
@@ -64,7 +65,7 @@ class BlockDiffusionScheduler(Scheduler):
         config = engine_config_from_vllm(self.vllm_config)
         self.diffusion_block_size = block = config.block_size
         self.geometry = step_geometry(config.model.attention, block, config.canvas_tokens,
-                                      self.max_model_len)
+                                      self.max_model_len, config.cache_mode)
         self.mask_token_id = config.mask_token_id
         if isinstance(self.geometry, CanvasGeometry):
             if self.max_num_scheduled_tokens < self.max_model_len:
@@ -118,14 +119,15 @@ class BlockDiffusionScheduler(Scheduler):
         self._step_stats = self._diffusion_step_stats(runner_output)
         # Finished before the stock bookkeeping, which then skips them (as it skips
         # requests aborted during the step); their error outputs are added after it.
-        errored = self._finish_failed(runner_output.failed_requests)
+        failed = {**self._take_uncompiled_grammars(), **runner_output.failed_requests}
+        errored = self._finish_failed(failed)
         outputs = super().update_from_output(scheduler_output, runner_output)
         for request in errored:
             client_outputs = outputs.setdefault(request.client_index, EngineCoreOutputs())
             client_outputs.outputs.append(EngineCoreOutput(
                 request_id=request.request_id, new_token_ids=[],
                 finish_reason=request.get_finished_reason(),
-                stop_reason=runner_output.failed_requests[request.request_id],
+                stop_reason=failed[request.request_id],
                 events=request.take_events(), trace_headers=request.trace_headers))
         attach_step_maps(outputs, runner_output.step_maps)
         for req_id, committed in runner_output.committed_prefix.items():
@@ -135,6 +137,24 @@ class BlockDiffusionScheduler(Scheduler):
             if request.num_computed_tokens > 0:  # 0 after a preemption in this step
                 request.num_computed_tokens = committed
         return outputs
+
+    def _take_uncompiled_grammars(self) -> dict[str, str]:
+        """The requests whose grammar the core's structured-output manager could not
+        compile (vLLM collects them in ``grammar_compile_error_reqs`` and would end them
+        with a bare error, HTTP 500), each with its ``stop_reason``: a client error naming
+        the grammar's kind and the backend's reason (``UncompilableGrammar``)."""
+        failed = {}
+        for req_id in self.grammar_compile_error_reqs:
+            request = self.requests.get(req_id)
+            if request is None or request.is_finished():  # aborted meanwhile
+                continue
+            grammar_request = request.structured_output_request
+            kind, _ = grammar_request.structured_output_key
+            failure = Failure.of(UncompilableGrammar(kind, grammar_request.grammar),
+                                 "compiling its grammar")
+            failed[req_id] = failure.as_stop_reason()
+        self.grammar_compile_error_reqs.clear()
+        return failed
 
     def _finish_failed(self, failed: dict[str, str]) -> list[Any]:
         """Finish the requests whose step work failed in the runner (``failed``: req_id ->

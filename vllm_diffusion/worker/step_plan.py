@@ -54,6 +54,8 @@ class RequestRows:
     block_positions: torch.Tensor | None = None
     reused_commit: bool = False  # the block it commits keeps its last forward's KV
     block_row_start: int | None = None  # the block's first row among the request's rows
+    # full attention under an approximate cache: this step rewrites every position's KV
+    kv_refresh: bool = False
 
     @property
     def canvas(self) -> BlockCanvas | None:

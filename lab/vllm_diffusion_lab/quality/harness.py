@@ -86,10 +86,11 @@ def evaluate(llm: Any, examples: list, options: dict[str, Any], max_tokens: int)
 
 def engine_options(options: dict[str, Any]) -> dict[str, Any]:
     """The options of a set that only an engine can take (policy, engine-wide options)."""
+    from vllm_diffusion.config import ENGINE_KEYS
     from vllm_diffusion.policies import POLICIES
 
     policy = POLICIES[options.get("diffusion_policy", "standard")]
-    engine_only = ("diffusion_policy", *getattr(policy.config_cls, "engine_only", ()))
+    engine_only = (*ENGINE_KEYS, *getattr(policy.config_cls, "engine_only", ()))
     return {"diffusion_policy": policy.name,
             **{k: v for k, v in options.items() if k in engine_only}}
 

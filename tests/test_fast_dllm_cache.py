@@ -1,0 +1,98 @@
+"""Fast-dLLM's approximate caches on LLaDA through the engine (``diffusion_cache_mode``):
+greedy output equal to the authors' ``generate_with_prefix_cache`` and
+``generate_with_dual_cache`` (``reference_llada.reference_generate_cached``, importing no
+package code) token for token on a named grid (block sizes 4 and 8, canvases of 8 to 24,
+one and two tokens per step, prompts shorter and longer than a block, alone and batched);
+one KV refresh per block, fewer rows than the exact loop; preemption (the KV rebuilt by a
+refresh) and abort; the refusals of what the modes do not serve."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import assert_abort_mid_block_frees_kv, diffusion_llm, watch_preemptions
+from reference_llada import reference_generate_cached
+from test_full_attention import (GRID, PROMPTS, greedy, llada_checkpoint,  # noqa: F401
+                                 reference, token_prompts)
+
+from vllm_diffusion_lab.fixtures.tiny_dream import build_tiny_dream
+from vllm_diffusion_lab.offline import stats_delta
+
+pytestmark = pytest.mark.engine
+
+
+def expected_rows(prompt: int, gen_length: int, block: int, steps: int, cache: str) -> int:
+    """Rows a request computes: per block, a refresh of the whole sequence, then ``steps -
+    1`` steps of the block and the canvas after it (prefix) or the block alone (dual)."""
+    end = prompt + gen_length
+    return sum(end + (steps - 1) * (end - start if cache == "prefix" else block)
+               for start in range(prompt, end, block))
+
+
+@pytest.mark.parametrize("block", [4, 8])
+@pytest.mark.parametrize("cache", ["prefix", "dual"])
+def test_greedy_equals_fast_dllm(llada_checkpoint, reference, cache, block):
+    """Every grid point of the block size: each prompt in one batch, then the longest
+    alone; one refresh per block of each request, and exactly the rows Fast-dLLM's loop
+    computes (every grid point has at least as many masks per block as steps, so no
+    step is skipped)."""
+    model, mask_id = reference
+    cases = [(g, s) for b, g, s in GRID if b == block]
+    with diffusion_llm(llada_checkpoint, diffusion_block_size=block, max_num_seqs=4,
+                       additional_config={"diffusion_cache_mode": cache}) as llm:
+        before = llm.collective_rpc("diffusion_stats")[0]
+        for gen_length, steps in cases:
+            params = greedy(gen_length, denoising_steps=steps)
+            want = {name: reference_generate_cached(
+                model, prompt, mask_id=mask_id, cache=cache, gen_length=gen_length,
+                block_length=block, steps=steps * (gen_length // block))
+                for name, prompt in PROMPTS.items()}
+            batch = llm.generate(token_prompts(PROMPTS.values()), params, use_tqdm=False)
+            for name, output in zip(PROMPTS, batch):
+                assert list(output.outputs[0].token_ids) == want[name], (name, gen_length)
+            alone = llm.generate(token_prompts([PROMPTS["long"]]), params, use_tqdm=False)
+            assert list(alone[0].outputs[0].token_ids) == want["long"]
+        stats = stats_delta(before, llm.collective_rpc("diffusion_stats")[0])
+    requests = [*PROMPTS.values(), PROMPTS["long"]]
+    assert stats["kv_refreshes"] == sum(g // block for g, _ in cases) * len(requests), stats
+    assert stats["positions_computed"] == sum(
+        expected_rows(len(p), g, block, s, cache) for g, s in cases for p in requests), stats
+
+
+def test_preemption_rebuilds_the_kv_with_a_refresh(llada_checkpoint):
+    """An engine short of pages preempts requests mid-block under ``dual``; each resumes
+    with a refresh (more refreshes than blocks) and finishes with its whole output; an
+    aborted request gives its pages back. Outputs may differ from an engine with room
+    (the refresh sees the block's newer tokens), which is documented."""
+    prompts = [PROMPTS["long"], PROMPTS["block"], PROMPTS["short"], [30, 31, 32, 33, 34]]
+    with diffusion_llm(llada_checkpoint, diffusion_block_size=4, block_size=16,
+                       max_model_len=48, max_num_seqs=4, num_gpu_blocks_override=5,
+                       additional_config={"diffusion_canvas_tokens": 8,
+                                          "diffusion_cache_mode": "dual"}) as llm:
+        watched = watch_preemptions(llm)
+        before = llm.collective_rpc("diffusion_stats")[0]
+        outputs = llm.generate(token_prompts(prompts), greedy(20), use_tqdm=False)
+        stats = stats_delta(before, llm.collective_rpc("diffusion_stats")[0])
+        assert watched, "no request was preempted; the test does not cover preemption"
+        assert [len(o.outputs[0].token_ids) for o in outputs] == [20] * len(prompts)
+        assert stats["kv_refreshes"] > 5 * len(prompts), stats  # 5 blocks each, and resumes
+        assert_abort_mid_block_frees_kv(llm, greedy(16, strategy="sequential"))
+
+
+@pytest.mark.parametrize("mode, message", [
+    ("exact", "must be one of recompute, prefix, dual"),
+    ("dual", "is for full-attention models"),
+])
+def test_unserved_modes_are_refused_at_start(dense_checkpoint, llada_checkpoint, mode,
+                                             message):
+    checkpoint = llada_checkpoint if mode == "exact" else dense_checkpoint
+    with pytest.raises(Exception, match=message):
+        with diffusion_llm(checkpoint, diffusion_block_size=4,
+                           additional_config={"diffusion_cache_mode": mode}):
+            pass
+
+
+def test_shifted_logits_are_refused_until_their_block_loop(tmp_path):
+    with pytest.raises(Exception, match="its logits are shifted"):
+        with diffusion_llm(build_tiny_dream(tmp_path / "dream"), diffusion_block_size=16,
+                           additional_config={"diffusion_cache_mode": "prefix"}):
+            pass

@@ -1,0 +1,66 @@
+"""Where a block position's logits are read when the model's logits are shifted
+(``worker/shifted_plan.py``): from the row before it -- inside the block once its first
+token is known, else from the last committed row, computed again where it is cached."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from vllm_diffusion.worker.step_plan import KnownTokens, RequestRows, forward_step
+from vllm_diffusion.worker.shifted_plan import shift_block_rows
+
+B, MASK = 4, 99
+
+
+def rows_for(block_tokens: list[int], start: int, commit: list[int],
+             known: KnownTokens) -> RequestRows:
+    """What ``plan_request`` plans for a whole-block step: the commit rows, then the
+    block's rows."""
+    canvas = SimpleNamespace(tokens=torch.tensor(block_tokens), start=start)
+    request = SimpleNamespace(canvas=canvas)
+    positions = commit + list(range(start, start + B))
+    tokens = known[commit[0]:start] if commit else []
+    return RequestRows("r", positions, tokens + block_tokens, start + B, start, request,
+                       torch.arange(B))
+
+
+def read_rows(rows: RequestRows) -> list[int]:
+    """The positions of the rows each computed block position's logits come from."""
+    step = forward_step([rows], torch.device("cpu"))
+    return [rows.positions[i] for i in step.requests[0].block_rows.tolist()]
+
+
+def test_a_block_with_a_known_first_token_reads_each_position_from_the_row_before():
+    known = KnownTokens([1, 2, 3, 4, 5, 6], [])  # the prompt ends inside block [4, 8)
+    rows = shift_block_rows(rows_for([5, 6, MASK, MASK], 4, [0, 1, 2, 3], known), known, B,
+                            MASK)
+    assert rows.positions == [0, 1, 2, 3, 4, 5, 6, 7]
+    assert rows.block_positions.tolist() == [1, 2, 3]
+    assert read_rows(rows) == [4, 5, 6]
+
+
+def test_a_new_block_takes_its_first_token_from_the_commit_rows_last():
+    known = KnownTokens([1, 2, 3, 4], [7, 8, 9, 10])  # the output ends on a boundary
+    planned = rows_for([MASK] * B, 8, [4, 5, 6, 7], known)
+    rows = shift_block_rows(planned, known, B, MASK)
+    assert rows.positions == [4, 5, 6, 7] and rows.token_ids == [7, 8, 9, 10]
+    assert rows.kv_len == 8 and rows.block_positions.tolist() == [0]
+    assert read_rows(rows) == [7]
+
+
+def test_a_cached_last_row_is_computed_again():
+    known = KnownTokens([1, 2, 3, 4, 5, 6, 7, 8], [])
+    rows = shift_block_rows(rows_for([MASK] * B, 8, [], known), known, B, MASK)
+    assert rows.positions == [7] and rows.token_ids == [8]
+    assert read_rows(rows) == [7]
+
+
+def test_part_of_a_block_is_refused():
+    known = KnownTokens([1, 2], [])
+    planned = rows_for([1, 2, MASK, MASK], 0, [], known)
+    planned.block_positions = torch.arange(2)
+    with pytest.raises(RuntimeError, match="planned part of a block"):
+        shift_block_rows(planned, known, B, MASK)

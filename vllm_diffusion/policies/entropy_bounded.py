@@ -1,0 +1,55 @@
+"""The ``entropy_bounded`` strategy's choice: the EB-sampler (Ben-Hamu et al., arXiv
+2505.24857, Algorithm 1).
+
+A step takes the block's masked positions in ``entropy_bounded_order`` and commits the
+longest prefix of that order whose summed entropy, minus the largest entropy in it, is at
+most ``entropy_bound`` (at least one position). The orders (``ENTROPY_BOUNDED_ORDERS``):
+
+- ``entropy`` (the default), lowest entropy first, as the public implementations order
+  them (SGLang's ``EBSampling``, JetEngine). The largest entropy of such a prefix is its
+  last, so a position is committed when the entropies before it sum to at most the
+  bound: SGLang's rule. JetEngine's stops a position earlier (the prefix's sum, its last
+  entropy included, stays below the bound).
+- ``confidence``, highest confidence (the proposal's probability) first.
+
+Ties go to the lower position. Entropy: of each position's proposal distribution (greedy:
+the softmax of its processed logits; sampled: the scaled, filtered distribution drawn
+from). ``tests/reference_eb_sampler.py`` is the plain reference of
+``entropy_bounded_commits``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+ENTROPY_BOUNDED_ORDERS = ("entropy", "confidence")
+
+
+def entropy_bounded_order(confidence: torch.Tensor, masked: torch.Tensor,
+                          entropy: torch.Tensor, by_confidence: torch.Tensor) -> torch.Tensor:
+    """[R, B] int64: each block's positions in the order the strategy takes them, the
+    masked ones first. confidence, entropy: [R, B] float; masked: [R, B] bool;
+    by_confidence: [R] bool (else by entropy)."""
+    key = torch.where(by_confidence[:, None], -confidence, entropy)  # ascending
+    key = torch.where(masked, key, torch.full_like(key, float("inf")))
+    return torch.sort(key, dim=1, stable=True).indices
+
+
+def entropy_bounded_commits(confidence: torch.Tensor, masked: torch.Tensor,
+                            entropy: torch.Tensor, entropy_bound: torch.Tensor,
+                            by_confidence: torch.Tensor) -> torch.Tensor:
+    """[R, B] bool: the masked positions each block commits by the EB-sampler's rule (at
+    least one where any is masked).
+
+    confidence, entropy: [R, B] float; masked: [R, B] bool; entropy_bound: [R] float;
+    by_confidence: [R] bool, the blocks that order by confidence (the others by entropy).
+    """
+    order = entropy_bounded_order(confidence, masked, entropy, by_confidence)
+    ordered = torch.where(masked, entropy, torch.zeros_like(entropy)).gather(1, order)
+    # The summed entropy minus its running maximum never decreases along the order, so
+    # the positions within the bound are a prefix.
+    spread = ordered.cumsum(dim=1) - ordered.cummax(dim=1).values
+    within = (spread <= entropy_bound[:, None]) & masked.gather(1, order)
+    count = within.sum(dim=1, keepdim=True).clamp(min=1)  # [R, 1]
+    taken = torch.arange(masked.shape[1]).expand_as(masked) < count  # in order
+    return torch.zeros_like(masked).scatter(1, order, taken) & masked
