@@ -21,7 +21,9 @@ STRATEGY = {"strategy": st.sampled_from(["low_confidence_dynamic", "threshold", 
             "alg": st.sampled_from(["maskgit_plus", "entropy"]),
             "eps": st.sampled_from([1e-3, 0.5]),
             "denoising_steps": st.integers(1, BLOCK_SIZE),
-            "editing_threshold": st.sampled_from([None, 0.0, 0.9])}
+            "editing_threshold": st.sampled_from([None, 0.0, 0.9]),
+            "entropy_bounded_order": st.sampled_from(["entropy", "confidence"]),
+            "sub_block_size": st.sampled_from([None, 1, 2, BLOCK_SIZE])}
 POLICY_OPTIONS = {
     "standard": st.fixed_dictionaries({}, optional={
         **STRATEGY, "chunk_size": st.sampled_from([1, 2, 4]), "chunk_reuse": st.booleans()}),

@@ -85,8 +85,8 @@ class StrategyUnmasking(BlockUnmasking[StrategyConfig, Any]):
         configs = [r.policy_config for r in batch.requests]
         codes = _strategy_codes(batch)
         # a strategy's own options only where a block follows it (not on every step)
-        scheduled = bool((codes == STRATEGIES.index("timestep_schedule")).any())
-        bounded = bool((codes == STRATEGIES.index("entropy_bounded")).any())
+        scheduled = any(c.strategy == "timestep_schedule" for c in configs)
+        bounded = any(c.strategy == "entropy_bounded" for c in configs)
         return batched_choose_commits(
             batch.confidence, self._candidates(batch), self._steps_taken(batch),
             self._steps_allowed(batch), codes,
@@ -103,9 +103,9 @@ class StrategyUnmasking(BlockUnmasking[StrategyConfig, Any]):
     def scheduled_idle(self, batch: CommitBatch) -> list[bool]:
         """Blocks under ``timestep_schedule`` whose quota this step is 0 before their last
         step, with masked positions to choose from (``timestep_schedule.py``)."""
+        if not any(r.policy_config.strategy == "timestep_schedule" for r in batch.requests):
+            return [False] * len(batch.requests)  # the common step: no tensors built
         scheduled = _strategy_codes(batch) == STRATEGIES.index("timestep_schedule")
-        if not bool(scheduled.any()):
-            return [False] * len(batch.requests)
         num_masked = self._candidates(batch).sum(dim=1)
         quota = batched_timestep_quota(num_masked, self._steps_taken(batch),
                                        self._steps_allowed(batch), _eps(batch), scheduled)
