@@ -105,6 +105,48 @@ class ReferenceDream:
             x = self._feed_forward(x, layer)
         return self._logits(x)
 
+    def new_cache(self, length: int) -> list[list[torch.Tensor]]:
+        """Per layer [K, V], zeros [kv_heads, length, head_dim] (after RoPE): filled by a
+        forward of every position before any other reads it."""
+        return [[torch.zeros(self.num_kv_heads, length, self.head_dim) for _ in range(2)]
+                for _ in range(self.config["num_hidden_layers"])]
+
+    def _cached_attention(self, x: torch.Tensor, prefix: str, positions: torch.Tensor,
+                          cache: list[torch.Tensor]) -> torch.Tensor:
+        """Rows ``x`` [n, hidden] at ``positions`` [n]: their keys/values (after RoPE)
+        replace the cache's at those positions, and they attend to the whole cache (no
+        mask), as Fast-dLLM's Dream cache forwards do."""
+        n = x.shape[0]
+        q = self._linear(x, prefix + "q_proj").view(n, self.num_heads, self.head_dim)
+        k = self._linear(x, prefix + "k_proj").view(n, self.num_kv_heads, self.head_dim)
+        v = self._linear(x, prefix + "v_proj").view(n, self.num_kv_heads, self.head_dim)
+        q, k, v = (t.transpose(0, 1) for t in (q, k, v))  # [heads, n, D]
+        q, k = self._rope(q, positions), self._rope(k, positions)
+        cache[0][:, positions] = k
+        cache[1][:, positions] = v
+        group = self.num_heads // self.num_kv_heads
+        keys = cache[0].repeat_interleave(group, dim=0)  # [H, L, D]
+        values = cache[1].repeat_interleave(group, dim=0)
+        scores = (q @ keys.transpose(1, 2)) / math.sqrt(self.head_dim)  # [H, n, L]
+        out = (scores.softmax(dim=-1) @ values).transpose(0, 1).reshape(n, -1)
+        return self._linear(out, prefix + "o_proj")
+
+    @torch.no_grad()
+    def forward_rows(self, token_ids: torch.Tensor, positions: torch.Tensor,
+                     cache: list[list[torch.Tensor]]) -> torch.Tensor:
+        """The rows ``token_ids`` [n] at ``positions`` [n] against ``cache``
+        (``new_cache``; their K/V written into it). Returns their logits [n, vocab],
+        unshifted."""
+        w, cfg = self.weights, self.config
+        x = w["model.embed_tokens.weight"][token_ids]
+        for i in range(cfg["num_hidden_layers"]):
+            layer = f"model.layers.{i}."
+            x = x + self._cached_attention(
+                rms_norm(x, w[layer + "input_layernorm.weight"], self.eps),
+                layer + "self_attn.", positions, cache[i])
+            x = self._feed_forward(x, layer)
+        return self._logits(x)
+
     def _feed_forward(self, x: torch.Tensor, layer: str) -> torch.Tensor:
         """The layer's second residual half: ``x + mlp(post_attention_layernorm(x))``."""
         h = rms_norm(x, self.weights[layer + "post_attention_layernorm.weight"], self.eps)
@@ -171,3 +213,70 @@ def reference_generate(model: ReferenceDream, prompt_ids: list[int], *, mask_id:
             proposals[masked] = x0
             x[0, chosen[0]] = proposals[0, chosen[0]]
     return x[0, start:].tolist()
+
+
+@torch.no_grad()
+def reference_generate_cached(model: ReferenceDream, prompt_ids: list[int], *, mask_id: int,
+                              cache: str, max_new_tokens: int, block_length: int, steps: int,
+                              eps: float = 1e-3, threshold: float | None = None) -> list[int]:
+    """Fast-dLLM's Dream block loop (NVlabs/Fast-dLLM ``dream/model/
+    generation_utils_block.py`` at 24cc59e, ``_sample``) at temperature 0, one prompt, with
+    ``dual_cache`` (``cache="dual"``) or without it (``"prefix"``): per block of
+    ``block_length`` after the prompt, a forward of the whole sequence rewrites every
+    position's KV, and its shifted logits' argmax at the block's first position is
+    committed unconditionally; then, until the block has no mask, a forward of the block
+    (dual) or the block and every later position (prefix) against the KV the others keep,
+    the logits shifted within that window (position j reads row j - 1; the window's first
+    position, decided, its own), decides: with ``threshold`` (the published
+    ``confidence_threshold`` alg) the most confident masked position of the block and every
+    other at or above it; otherwise the block's timestep schedule (``linspace(1, eps,
+    steps_per_block + 1)``, the step after the refresh being step 1, ``int(M * (1 - s /
+    t))`` of the block's M masks, all at step ``steps_per_block - 1``) ranked by negative
+    entropy, as the published loop ranks for every alg other than ``confidence_threshold``.
+    ``steps`` is the published total (``steps_per_block = steps // num_blocks``). The
+    published loop stops a block at step ``steps_per_block`` whatever it holds, which
+    leaves masks only with one step per block; this reference requires at least two."""
+    if cache not in ("prefix", "dual"):
+        raise ValueError(f"cache must be 'prefix' or 'dual', got {cache!r}")
+    num_blocks = max_new_tokens // block_length
+    if max_new_tokens % block_length or steps % num_blocks or steps // num_blocks < 2:
+        raise ValueError("max_new_tokens and steps must split evenly into blocks, with at "
+                         "least two steps per block")
+    steps_per_block = steps // num_blocks
+    timesteps = torch.linspace(1, eps, steps_per_block + 1)
+    start = len(prompt_ids)
+    x = torch.full((start + max_new_tokens,), mask_id, dtype=torch.long)
+    x[:start] = torch.tensor(prompt_ids, dtype=torch.long)
+    everything = torch.arange(len(x))
+    for block_start in range(start, start + max_new_tokens, block_length):
+        block_end = block_start + block_length
+        kv = model.new_cache(len(x))
+        logits = model.forward_rows(x, everything, kv)
+        x[block_start] = logits[block_start - 1].argmax()  # shifted: row j - 1 for j
+        window = torch.arange(block_start, len(x) if cache == "prefix" else block_end)
+        step = 1
+        while bool((x[block_start:block_end] == mask_id).any()):
+            logits = model.forward_rows(x[window], window, kv)
+            logits = torch.cat([logits[:1], logits[:-1]])  # [window, V]
+            masked = (x[window] == mask_id) & (window < block_end)
+            probs = logits[masked].softmax(dim=-1)
+            top, x0 = probs.max(dim=-1)
+            if threshold is not None:
+                confidence = top
+                count = int(masked.sum())
+            else:
+                confidence = torch.sum(probs * torch.log(probs + 1e-10), dim=-1)
+                count = transfer_count(int(masked.sum()), step, timesteps)
+            full = torch.full((len(window),), -torch.inf)
+            full[masked] = confidence
+            proposals = torch.full((len(window),), mask_id, dtype=torch.long)
+            proposals[masked] = x0
+            if count > 0:
+                chosen_confidence, chosen = torch.topk(full, count)
+                if threshold is not None:
+                    keep = [0] + [k for k in range(1, count)
+                                  if float(chosen_confidence[k]) >= threshold]
+                    chosen = chosen[keep]
+                x[window[chosen]] = proposals[chosen]
+            step += 1
+    return x[start:].tolist()

@@ -188,14 +188,40 @@ def reference_generate(model: ReferenceLLaDA, prompt_ids: list[int], *, mask_id:
     return x[start:].tolist()
 
 
+def fast_dllm_transfer(confidence: torch.Tensor, quota: int, threshold: float | None,
+                       factor: float | None) -> torch.Tensor:
+    """Indices Fast-dLLM's ``get_transfer_index`` / ``get_transfer_index_dynamic``
+    (f6b35ec) commit, from ``confidence`` [n] (-inf where not a candidate): the top
+    ``quota``; with ``threshold``, the top one and every other candidate at or above it;
+    with ``factor``, the ranks before the first rank n (1-based, n >= 2) below
+    1 - factor / (n + 1), all of them where that rank is the last or there is none."""
+    candidates = int(torch.isfinite(confidence).sum())
+    if factor is not None:
+        ranked = torch.sort(confidence, descending=True).values[:candidates].tolist()
+        count = candidates
+        for index in range(1, candidates):
+            if ranked[index] < 1 - factor / (index + 2):
+                count = candidates if index == candidates - 1 else index
+                break
+        return torch.topk(confidence, k=count).indices
+    if threshold is None:
+        return torch.topk(confidence, k=quota).indices
+    top = torch.topk(confidence, k=candidates)
+    keep = [0] + [k for k in range(1, candidates) if float(top.values[k]) >= threshold]
+    return top.indices[keep]
+
+
 @torch.no_grad()
 def reference_generate_cached(model: ReferenceLLaDA, prompt_ids: list[int], *, mask_id: int,
                               cache: str, gen_length: int = 128, block_length: int = 128,
-                              steps: int = 128) -> list[int]:
+                              steps: int = 128, threshold: float | None = None,
+                              factor: float | None = None) -> list[int]:
     """Fast-dLLM's ``generate_with_prefix_cache`` (``cache="prefix"``) and
-    ``generate_with_dual_cache`` (``"dual"``) at temperature 0 with ``low_confidence``
-    remasking and the quota schedule (``threshold=None``), one prompt (NVlabs/Fast-dLLM
-    ``llada/generate.py`` at 24cc59e): per block, a forward of the whole sequence rewrites
+    ``generate_with_dual_cache`` (``"dual"``), and its ``generate`` without a cache
+    (``"none"``), at temperature 0 with ``low_confidence`` remasking and the quota
+    schedule, the ``threshold`` or the ``factor`` rule (``fast_dllm_transfer``), one
+    prompt (NVlabs/Fast-dLLM ``llada/generate.py`` at 24cc59e; the rules at f6b35ec;
+    without a cache every forward is of the whole sequence): per block, a forward of the whole sequence rewrites
     every position's KV and makes the block's first decision (quota 0); then, until the
     block has no mask, a forward of the block and every later position (prefix) or of the
     block alone (dual), their KV replacing the cached rows, the others read as the
@@ -203,8 +229,8 @@ def reference_generate_cached(model: ReferenceLLaDA, prompt_ids: list[int], *, m
     forward more after a refresh that fills the block (it checks for masks after the
     forward) and then indexes past its schedule when a block has one step; this reference
     checks first, which changes no output where the published loop runs."""
-    if cache not in ("prefix", "dual"):
-        raise ValueError(f"cache must be 'prefix' or 'dual', got {cache!r}")
+    if cache not in ("prefix", "dual", "none"):
+        raise ValueError(f"cache must be 'prefix', 'dual' or 'none', got {cache!r}")
     if gen_length % block_length or steps % (gen_length // block_length):
         raise ValueError("gen_length and steps must split evenly into blocks")
     steps_per_block = steps // (gen_length // block_length)
@@ -227,7 +253,8 @@ def reference_generate_cached(model: ReferenceLLaDA, prompt_ids: list[int], *, m
             probability = logits.double().softmax(dim=-1).gather(-1, x0[:, None])[:, 0]
             masked = (x[rows] == mask_id) & (rows < block_end)
             confidence = torch.where(masked, probability, -torch.inf)
-            top = torch.topk(confidence, k=quota).indices  # masked rows: quota <= masks
+            top = fast_dllm_transfer(confidence, quota, threshold, factor)
             x[rows[top]] = x0[top]
-            rows = torch.arange(block_start, len(x) if cache == "prefix" else block_end)
+            if cache != "none":
+                rows = torch.arange(block_start, len(x) if cache == "prefix" else block_end)
     return x[start:].tolist()

@@ -134,6 +134,11 @@ def test_full_attention_refuses_what_cannot_decode_under_it():
     assert refusal(FULL, POLICIES["standard"], {}) is None
     why = refusal(FULL, POLICIES["standard"], {"chunk_size": 2})
     assert "whole sequence" in why
-    for name in ("focus", "es", "ada", "sparse_prefix", "elastic"):
+    for name in ("focus", "elastic"):
         why = refusal(FULL, POLICIES[name], {})
         assert why is not None and "'full'" in why, name
+    # the seed methods decode under full attention: ES-dLLM and Sparse-dLLM in the dual
+    # cache only (test_capabilities), Ada-DLM under any cache mode
+    for name in ("es", "sparse_prefix"):
+        assert "'diffusion_cache_mode' 'recompute'" in refusal(FULL, POLICIES[name], {})
+    assert refusal(FULL, POLICIES["ada"], {}) is None

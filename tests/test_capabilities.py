@@ -31,9 +31,18 @@ def test_options_of_the_rewriting_loop_are_refused_only_where_tokens_stay_put():
 
 
 def test_whole_block_routing_refuses_policies_that_compute_part_of_a_block():
-    for name in ("es", "elastic", "sparse_prefix", "ada"):
+    for name in ("es", "elastic"):
         message = refusal(MOVING, POLICIES[name], {})
         assert message.startswith(f"the {name} policy cannot serve Moving:"), message
+    assert "drops rows inside the forward" in refusal(MOVING, POLICIES["es"], {})
+    assert "'intra_block_cache'" in refusal(MOVING, POLICIES["ada"], {"intra_block_cache": True})
+    routed = ModelCapabilities(family="Routed", routing_block_size=4)
+    # whole blocks in every forward: only the keys are selected, or only commits decided
+    for name in ("sparse_prefix", "ada"):
+        assert refusal(routed, POLICIES[name], {}) is None, name
+        message = refusal(MOVING, POLICIES[name], {})
+        assert message.startswith(f"the {name} policy cannot serve Moving, whose edits "
+                                  f"move tokens"), message
     assert "'chunk_size' and 'chunk_reuse'" in refusal(MOVING, POLICIES["standard"],
                                                        {"chunk_reuse": True})
     focus = POLICIES["focus"]
@@ -150,3 +159,26 @@ def test_fast_dllm_v2_declares_its_published_decoding():
                    block_size=32) is None
     assert refusal(model, POLICIES["focus"], {}).startswith(
         "the focus policy cannot serve Fast-dLLM v2, whose logits are shifted")
+
+
+def test_full_attention_cache_modes_of_the_seed_methods():
+    """Sparse-dLLM and ES-dLLM act on the KV a cached step reads (the dual cache); Ada-DLM
+    decides commits only, under any cache mode; FOCUS stays refused."""
+    full = ModelCapabilities(family="Full", attention="full")
+    for name in ("sparse_prefix", "es"):
+        for mode in ("recompute", "prefix"):
+            message = refusal(full, POLICIES[name], {}, cache_mode=mode)
+            assert f"'diffusion_cache_mode' {mode!r}" in message, message
+            assert "serve with 'diffusion_cache_mode' 'dual'" in message, message
+        assert refusal(full, POLICIES[name], {}, cache_mode="dual") is None, name
+    for mode in ("recompute", "prefix", "dual"):
+        assert refusal(full, POLICIES["ada"], {}, cache_mode=mode) is None, mode
+    assert "'intra_block_cache'" in refusal(full, POLICIES["ada"], {"intra_block_cache": True},
+                                            cache_mode="dual")
+    assert refusal(full, POLICIES["focus"], {}, cache_mode="dual") is not None
+    # an unknown mode is left to the option's own check, which names it
+    assert refusal(full, POLICIES["es"], {}, cache_mode="sideways") is None
+    # Sparse-dLLM selects after the refresh: no delay is refused there, named
+    message = refusal(full, POLICIES["sparse_prefix"], {"delay_steps": 0}, cache_mode="dual")
+    assert "option 'delay_steps' 0" in message and message.endswith("set it to 1 or more")
+    assert refusal(FIXED, POLICIES["sparse_prefix"], {"delay_steps": 0}) is None

@@ -3,8 +3,10 @@ greedy output equal to the authors' ``generate_with_prefix_cache`` and
 ``generate_with_dual_cache`` (``reference_llada.reference_generate_cached``, importing no
 package code) token for token on a named grid (block sizes 4 and 8, canvases of 8 to 24,
 one and two tokens per step, prompts shorter and longer than a block, alone and batched);
-one KV refresh per block, fewer rows than the exact loop; preemption (the KV rebuilt by a
-refresh) and abort; the refusals of what the modes do not serve."""
+one KV refresh per block, fewer rows than the exact loop; Fast-dLLM's threshold and
+dynamic (``factor``) rules under each mode; preemption (the KV rebuilt by a refresh) and
+abort; the refusals of what the modes do not serve. Dream's block loop:
+``test_dream_cache.py``."""
 
 from __future__ import annotations
 
@@ -14,7 +16,6 @@ from reference_llada import reference_generate_cached
 from test_full_attention import (GRID, PROMPTS, greedy, llada_checkpoint,  # noqa: F401
                                  reference, token_prompts)
 
-from vllm_diffusion_lab.fixtures.tiny_dream import build_tiny_dream
 from vllm_diffusion_lab.offline import stats_delta
 
 pytestmark = pytest.mark.engine
@@ -58,6 +59,36 @@ def test_greedy_equals_fast_dllm(llada_checkpoint, reference, cache, block):
         expected_rows(len(p), g, block, s, cache) for g, s in cases for p in requests), stats
 
 
+# Fast-dLLM's parallel rules: (engine strategy options, reference keyword)
+PARALLEL_RULES = {
+    "threshold 0.9": ({"strategy": "threshold", "threshold": 0.9}, {"threshold": 0.9}),
+    "threshold 0.3": ({"strategy": "threshold", "threshold": 0.3}, {"threshold": 0.3}),
+    "factor 1": ({"strategy": "factor", "factor": 1.0}, {"factor": 1.0}),
+    "factor 4": ({"strategy": "factor", "factor": 4.0}, {"factor": 4.0}),
+}
+
+
+@pytest.mark.parametrize("cache", ["recompute", "prefix", "dual"])
+def test_threshold_and_factor_rules_equal_fast_dllm(llada_checkpoint, reference, cache):
+    """Fast-dLLM's threshold and dynamic (``factor``) rules under each cache mode (blocks
+    of 8, canvas 16: ``generate`` without a cache for ``recompute``), every prompt in one
+    batch and the longest alone."""
+    model, mask_id = reference
+    with diffusion_llm(llada_checkpoint, diffusion_block_size=8, max_num_seqs=4,
+                       additional_config={"diffusion_cache_mode": cache}) as llm:
+        for name, (options, rule) in PARALLEL_RULES.items():
+            params = greedy(16, **options)
+            want = {prompt: reference_generate_cached(
+                model, ids, mask_id=mask_id, cache="none" if cache == "recompute" else cache,
+                gen_length=16, block_length=8, steps=16, **rule)
+                for prompt, ids in PROMPTS.items()}
+            batch = llm.generate(token_prompts(PROMPTS.values()), params, use_tqdm=False)
+            for prompt, output in zip(PROMPTS, batch):
+                assert list(output.outputs[0].token_ids) == want[prompt], (name, prompt)
+            alone = llm.generate(token_prompts([PROMPTS["long"]]), params, use_tqdm=False)
+            assert list(alone[0].outputs[0].token_ids) == want["long"], name
+
+
 def test_preemption_rebuilds_the_kv_with_a_refresh(llada_checkpoint):
     """An engine short of pages preempts requests mid-block under ``dual``; each resumes
     with a refresh (more refreshes than blocks) and finishes with its whole output; an
@@ -88,11 +119,4 @@ def test_unserved_modes_are_refused_at_start(dense_checkpoint, llada_checkpoint,
     with pytest.raises(Exception, match=message):
         with diffusion_llm(checkpoint, diffusion_block_size=4,
                            additional_config={"diffusion_cache_mode": mode}):
-            pass
-
-
-def test_shifted_logits_are_refused_until_their_block_loop(tmp_path):
-    with pytest.raises(Exception, match="its logits are shifted"):
-        with diffusion_llm(build_tiny_dream(tmp_path / "dream"), diffusion_block_size=16,
-                           additional_config={"diffusion_cache_mode": "prefix"}):
             pass

@@ -5,9 +5,11 @@ decoded left to right with threshold commits, a block's first token from the pre
 block's last row at its commit -- for prompts shorter than a block, of exactly one and two
 blocks (the first token by the autoregressive step) and ending inside the second block,
 alone and in one batch mixing all of them; a stop token; a chat through ``LLM.chat`` and
-``vllm serve``; preemption and abort; tensor parallelism 2; and the refusals (chunked decoding, a sub-block size
+``vllm serve``; preemption and abort; tensor parallelism 2; sampling as the published
+``sample_with_top_p`` (a tiny top_p; each block's first token the argmax at any
+temperature); and the refusals (chunked decoding, a sub-block size
 that does not divide the block; other policies are refused at start-up,
-``test_capabilities``).
+``test_capabilities``). The block cache: ``test_sub_block_cache``.
 
 One engine serves every test: the checkpoint's ``bd_size`` 16 with the family's default
 sub-blocks of 8 (two per block), a grid of request options around them."""
@@ -157,6 +159,96 @@ def test_chat_equals_the_published_loop_on_the_templated_prompt(checkpoint, llm,
         assert chat_contents(url, body) == (chat.text, chat.text)
 
 
+def test_sampling_with_a_tiny_top_p_equals_the_published_sampler(llm, reference):
+    """At temperature > 0 the published ``sample_with_top_p``: the softmax of the scaled
+    logits cut to ``top_p`` and renormalised, a token drawn, its probability there the
+    confidence. A tiny top_p leaves one token per position with confidence 1, so every
+    sub-block is committed in one step: outputs and rows equal the reference's (greedy
+    decoding with the raw probabilities takes more steps here)."""
+    import torch
+    from vllm import SamplingParams
+
+    from vllm_diffusion_lab.offline import stats_delta
+
+    model, mask_id = reference
+    for name, prompt in PROMPTS.items():
+        max_tokens = 2 * BLOCK_SIZE - len(prompt) % BLOCK_SIZE
+        rows: list[int] = []
+        want = reference_generate(model, prompt, mask_id=mask_id,
+                                  max_new_tokens=2 * BLOCK_SIZE, block_size=BLOCK_SIZE,
+                                  small_block_size=4, temperature=0.8, top_p=1e-6,
+                                  generator=torch.Generator().manual_seed(0), rows=rows)
+        params = SamplingParams(temperature=0.8, top_p=1e-6, seed=0, max_tokens=max_tokens,
+                                ignore_eos=True, extra_args={"sub_block_size": 4})
+        before = llm.collective_rpc("diffusion_stats")[0]
+        out = llm.generate(token_prompts([prompt]), params, use_tqdm=False)[0].outputs[0]
+        stats = stats_delta(before, llm.collective_rpc("diffusion_stats")[0])
+        assert list(out.token_ids) == want[:max_tokens], name
+        assert stats["positions_computed"] == sum(rows) - BLOCK_SIZE, name
+        assert stats["denoising_steps"] < max_tokens, name
+
+
+def test_each_block_first_token_is_the_argmax_at_any_temperature(llm, reference):
+    """The published loop reads a block's first token at the previous block's commit by
+    argmax, whatever the temperature; the engine's sampled requests do too (the other
+    positions are drawn). At temperature 2 a drawn first token would rarely be the argmax
+    (the chance of all of them is checked to be small)."""
+    from vllm import SamplingParams
+
+    from reference_fast_dllm_v2 import mask_banned
+
+    model, mask_id = reference
+    params = SamplingParams(temperature=2.0, seed=7, max_tokens=MAX_TOKENS, ignore_eos=True)
+    outputs = llm.generate(token_prompts(list(PROMPTS.values())), params, use_tqdm=False)
+    chance, sampled = 1.0, 0
+    for (name, prompt), output in zip(PROMPTS.items(), outputs):
+        tokens = prompt + list(output.outputs[0].token_ids)
+        greedy_out = published(reference, prompt, "published")
+        sampled += tokens[len(prompt):] != greedy_out
+        for start in range(BLOCK_SIZE, len(tokens), BLOCK_SIZE):
+            if start < len(prompt):
+                continue
+            logits, _ = model(tokens[:start], None, BLOCK_SIZE, update=False)
+            last = mask_banned(logits[-1], mask_id)
+            assert tokens[start] == int(last.argmax()), (name, start)
+            chance *= float((last / 2.0).softmax(dim=-1).max())
+    assert sampled and chance < 0.01, (sampled, chance)
+
+
+def test_logprobs_and_grammars_are_served_as_for_sdar(llm, reference):
+    """The engine's generic paths with this family's shifted reads: greedy logprobs rank
+    every output token first (each block's first token included, read at the previous
+    block's commit) without changing the output; a regex and a choice grammar stop with
+    tokens that follow them, under the family's sub-blocks and threshold (the tokens are
+    decoded alone: the prompts' byte tokens would prefix the text with partial
+    characters)."""
+    import re
+
+    from vllm import SamplingParams
+    from vllm.sampling_params import StructuredOutputsParams
+
+    prompts = list(PROMPTS.values())
+    plain = llm.generate(token_prompts(prompts), greedy("published"), use_tqdm=False)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True,
+                            logprobs=2)
+    outputs = llm.generate(token_prompts(prompts), params, use_tqdm=False)
+    for want, got in zip(plain, outputs):
+        out = got.outputs[0]
+        assert list(out.token_ids) == list(want.outputs[0].token_ids)
+        assert len(out.logprobs) == len(out.token_ids)
+        for token, entry in zip(out.token_ids, out.logprobs):
+            assert entry[token].rank == 1, (token, entry)
+    grammars = {"[a-c]{5}x": StructuredOutputsParams(regex="[a-c]{5}x"),
+                "alpha|beta|gamma": StructuredOutputsParams(choice=["alpha", "beta", "gamma"])}
+    tokenizer = llm.get_tokenizer()
+    for pattern, so in grammars.items():
+        params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, structured_outputs=so)
+        for output in llm.generate(token_prompts(prompts), params, use_tqdm=False):
+            out = output.outputs[0]
+            text = tokenizer.decode(out.token_ids, skip_special_tokens=True)
+            assert out.finish_reason == "stop" and re.fullmatch(pattern, text), text
+
+
 def test_tensor_parallel_equals_the_published_loop(checkpoint, reference, two_cpu_ranks):
     """Two ranks on CPU (gloo): vLLM shards the Qwen2 heads (4 query, 2 KV), QKV biases
     and MLP; the outputs equal the single-process published loop."""
@@ -186,3 +278,4 @@ def test_preempted_requests_decode_as_published_and_aborts_free_kv(checkpoint, r
     for (case, name), output in zip(cases, outputs):
         assert list(output.outputs[0].token_ids) == published(
             reference, PROMPTS[name], case), (case, name)
+

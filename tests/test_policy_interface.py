@@ -162,7 +162,8 @@ def test_batched_commit_choice_matches_the_per_block_reference(name):
         # the schedule ranks by both algs, and the EB-sampler takes both orders, where
         # the grid has 2 rows per strategy
         eps=[1e-3, 0.0, 0.25][i % 3], alg=SCHEDULE_RANKINGS[i // len(STRATEGIES) % 2],
-        entropy_bounded_order=ENTROPY_BOUNDED_ORDERS[i // len(STRATEGIES) % 2])
+        entropy_bounded_order=ENTROPY_BOUNDED_ORDERS[i // len(STRATEGIES) % 2],
+        factor=[1.0, 0.5, 2.0, 0.1][i % 4])
         for i in range(rows)]
     steps = torch.randint(0, block + 2, (rows,), generator=gen)
     entropy = torch.rand(rows, block, generator=gen) * 0.8
@@ -174,11 +175,44 @@ def test_batched_commit_choice_matches_the_per_block_reference(name):
         torch.tensor([c.entropy_bound for c in configs]),
         torch.tensor([c.eps for c in configs], dtype=torch.float64),
         torch.tensor([SCHEDULE_RANKINGS.index(c.alg) for c in configs]),
-        torch.tensor([c.entropy_bounded_order == "confidence" for c in configs]))
+        torch.tensor([c.entropy_bounded_order == "confidence" for c in configs]),
+        torch.tensor([c.factor for c in configs], dtype=torch.float64))
     for i, config in enumerate(configs):
         want = choose_commits(confidence[i], masked[i], int(steps[i]), block, config,
                               entropy[i])
         assert got[i].tolist() == want.tolist(), (i, config)
+
+
+def published_factor_count(sorted_confidence: list[float], factor: float) -> int:
+    """Fast-dLLM's ``get_transfer_index_dynamic`` (NVlabs/Fast-dLLM f6b35ec), one row:
+    thresholds 1 - factor / (n + 1) over ranks n = 1..m, the first set to -1; the loop
+    breaks at the first rank below its threshold; a break at the first or the last
+    index, or none, takes one more."""
+    thresholds = [1 - factor / (n + 1) for n in range(1, len(sorted_confidence) + 1)]
+    thresholds[0] = -1
+    for top_i in range(len(thresholds)):
+        if sorted_confidence[top_i] < thresholds[top_i]:
+            break
+    if top_i == 0 or top_i == len(thresholds) - 1:
+        top_i += 1
+    return top_i
+
+
+def test_factor_count_is_the_published_dynamic_rule():
+    from vllm_diffusion.policies.unmasking import batched_factor_count, factor_count
+
+    gen = torch.Generator().manual_seed(5)
+    for m in range(1, 12):
+        for factor in (0.1, 0.5, 1.0, 2.0, 4.0):
+            for _ in range(20):
+                ranked = torch.sort(torch.rand(m, generator=gen) ** 0.2, descending=True).values
+                want = published_factor_count(ranked.tolist(), factor)
+                assert factor_count(ranked, factor) == want, (m, factor, ranked)
+                padded = torch.cat([ranked, torch.full((3,), float("-inf"))])[None]
+                assert batched_factor_count(padded, torch.tensor([m]),
+                                            torch.tensor([factor])).tolist() == [want]
+    # two masks left always commit both (a failure at the last rank still commits it)
+    assert factor_count(torch.tensor([0.9, 0.01]), 1.0) == 2
 
 
 @pytest.mark.parametrize("eps", [1e-3, 0.0, 0.3, 1.0])

@@ -1,9 +1,11 @@
 """Where a block position's logits are read when the model's logits are shifted
 (``worker/shifted_plan.py``): from the row before it -- inside the block once its first
-token is known, else from the last committed row, computed again where it is cached."""
+token is known, else from the last committed row, computed again where it is cached; a
+run of positions from a known one (the active sub-block) from the rows of the run."""
 
 from __future__ import annotations
 
+import dataclasses
 from types import SimpleNamespace
 
 import pytest
@@ -58,9 +60,22 @@ def test_a_cached_last_row_is_computed_again():
     assert read_rows(rows) == [7]
 
 
-def test_part_of_a_block_is_refused():
+def test_a_run_from_a_known_position_reads_its_later_positions_from_the_rows_before():
+    """The active sub-block alone (the block cache): block [4, 8) in sub-blocks of 2, the
+    second computed from its known first position (rows 6 and 7); position 3 reads row 6."""
+    known = KnownTokens([1, 2, 3, 4, 5, 6, 7], [])
+    planned = dataclasses.replace(rows_for([5, 6, 7, MASK], 4, [], known), positions=[6, 7],
+                                  token_ids=[7, MASK], block_positions=torch.tensor([2, 3]))
+    rows = shift_block_rows(planned, known, B, MASK)
+    assert rows.positions == [6, 7] and rows.block_positions.tolist() == [3]
+    assert read_rows(rows) == [6]
+
+
+@pytest.mark.parametrize("computed", [[2, 3], [0, 2]], ids=["masked-start", "gap"])
+def test_part_of_a_block_other_than_a_run_from_a_known_position_is_refused(computed):
     known = KnownTokens([1, 2], [])
     planned = rows_for([1, 2, MASK, MASK], 0, [], known)
-    planned.block_positions = torch.arange(2)
-    with pytest.raises(RuntimeError, match="planned part of a block"):
+    planned.block_positions = torch.tensor(computed)
+    with pytest.raises(RuntimeError, match="planned part of a block .* other than a run of "
+                                           "positions from a known one"):
         shift_block_rows(planned, known, B, MASK)

@@ -21,7 +21,8 @@ from paged_cases import make_case
 
 from vllm_diffusion.kernels.block_attention import block_causal_attention, gather_kv
 from vllm_diffusion.kernels.kv_pages import key_value_views
-from vllm_diffusion.kernels.sparse_prefix import (gathered_sparse_prefix_attention,
+from vllm_diffusion.kernels.sparse_prefix import (KeptKV, compacted_sparse_prefix_attention,
+                                                    gathered_sparse_prefix_attention,
                                                     select_prefix, sparse_prefix_attention)
 
 # name: (block rows per request as (block start, rows, kv len), diffusion block, page size,
@@ -85,6 +86,52 @@ def test_gathered_torch_path_matches_reference(case):
     torch.testing.assert_close(gathered_sparse_prefix_attention(*args).float(),
                                sparse_prefix_attention(*args).float(),
                                rtol=tolerance(case), atol=tolerance(case))
+
+
+@pytest.mark.parametrize("case", GRID.values(), ids=GRID.keys())
+def test_compacted_torch_path_matches_reference_across_steps(case):
+    """The CPU path's stores, filled on the first call, serve a second call whose block
+    keys changed (a later step of the block): both equal the reference."""
+    args = torch_side(sparse_case(*case, device="cpu"))
+    stores = [KeptKV() for _ in args[4]]
+    tol = tolerance(case)
+    for step in range(2):
+        got = compacted_sparse_prefix_attention(*args, stores)
+        torch.testing.assert_close(got.float(), sparse_prefix_attention(*args).float(),
+                                   rtol=tol, atol=tol)
+        kv_cache, table, page = args[1], args[5], args[1].shape[2]
+        for r, (start, end) in enumerate(zip(args[9], args[4])):
+            for position in range(start, end):  # the block's keys change, the rest stays
+                for view in key_value_views(kv_cache):
+                    view[table[r, position // page], :, position % page] += 0.5
+    assert all(s.keys is not None and s.keys.shape[1] == s.kept + n - p
+               for s, n, p in zip(stores, args[4], args[9]))
+
+
+def test_kept_context_after_the_block():
+    """Full attention: a block's kept positions lie before and after it (Sparse-dLLM's
+    bidirectional eviction); the reference, the gathered and the compacted paths attend to
+    exactly those keys plus the block."""
+    block_start, rows, end = 32, 8, 64
+    query, kv_cache, positions, starts, _, table, _, scale = make_case(
+        [(block_start, rows, 1)], [end], 8, 8, 4, 2, 32, torch.float32, False, "cpu")
+    span = 1 << 20  # the whole sequence is one attention span
+    outside = torch.cat([torch.arange(block_start), torch.arange(block_start + rows, end)])
+    kept = outside[torch.randperm(len(outside), generator=torch.Generator().manual_seed(3))
+                   [:20]].sort().values
+    kept_index = kept[None, None].repeat(1, 2, 1)
+    args = (query, kv_cache, positions, starts, [block_start + rows], table, span, scale,
+            kept_index, [block_start])
+    keys, values = gather_kv(kv_cache, table[0], end)
+    seen = torch.cat([kept, torch.arange(block_start, block_start + rows)])
+    k = keys[seen].transpose(0, 1).repeat_interleave(2, dim=0)  # [H, N, D]
+    v = values[seen].transpose(0, 1).repeat_interleave(2, dim=0)
+    want = torch.nn.functional.scaled_dot_product_attention(
+        query.transpose(0, 1), k, v, scale=scale).transpose(0, 1)
+    for path in (sparse_prefix_attention, gathered_sparse_prefix_attention):
+        torch.testing.assert_close(path(*args), want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(compacted_sparse_prefix_attention(*args, [KeptKV()]), want,
+                               rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("case", [c for c in GRID.values() if c[6] == torch.float32],

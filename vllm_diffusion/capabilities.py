@@ -54,6 +54,17 @@ class ModelCapabilities:
     # the family's published decoding settings, as policy option defaults (below what the
     # engine's options set)
     option_defaults: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    # those of its published block loop under Fast-dLLM's caches (above option_defaults)
+    cached_option_defaults: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+
+    def under_cache(self, cache_mode: str) -> ModelCapabilities:
+        """The declaration the engine serves under ``cache_mode``: under Fast-dLLM's caches
+        the family decodes by its block loop, block by block (never the whole canvas as
+        one block), with its cached option defaults."""
+        if cache_mode == "recompute":
+            return self
+        return dataclasses.replace(self, whole_canvas=False, option_defaults={
+            **self.option_defaults, **self.cached_option_defaults})
 
     @property
     def moves_tokens(self) -> bool:
@@ -101,9 +112,17 @@ class PolicyTraits:
     skips_rows: bool = False
     # the attention regimes (``ModelCapabilities.attention``) it decodes under
     attention_regimes: tuple[str, ...] = ("block_causal",)
+    # under full attention: the cache modes (``CACHE_MODES``) it decodes under, and why
+    # not the others (it acts on the cached KV of the positions outside the block)
+    cache_modes: tuple[str, ...] = CACHE_MODES
+    cache_modes_reason: str = ""
     # whether it decodes models whose logits are shifted (the planner reads a block's
     # logits one row earlier than the rows the policy plans)
     shifted_logits: bool = False
+    # why some forward computes only a run of a block's positions that starts at a known
+    # one (the active sub-block; every masked position's row before it is computed, so
+    # shifted logits are served), or None
+    sub_block_rows: str | None = None
 
 
 # What the engine's step serves today: the attention regimes its backend computes, over an
@@ -123,28 +142,44 @@ def model_refusal(model: ModelCapabilities) -> str | None:
 
 
 def refusal(model: ModelCapabilities, policy: Any, options: Mapping[str, Any],
-            given: Mapping[str, Any] | None = None, block_size: int | None = None
-            ) -> str | None:
+            given: Mapping[str, Any] | None = None, block_size: int | None = None,
+            cache_mode: str = "recompute") -> str | None:
     """Why ``policy`` (a policy class) with ``options`` (absent ones take their defaults)
     cannot serve ``model``, or None. ``given``: the options the user set (default
     ``options``), where an option that only applies to other models is refused;
-    ``block_size``: the diffusion block size, checked where known (start-up)."""
+    ``block_size``: the diffusion block size, checked where known (start-up);
+    ``cache_mode``: the engine's ``diffusion_cache_mode``."""
     traits = policy.traits(options)
     if model.attention not in traits.attention_regimes:
         return (f"the {policy.name} policy cannot serve {model.family}, which attends "
                 f"{model.attention!r}: it decodes under "
                 f"{', '.join(map(repr, traits.attention_regimes))} attention only; use the "
                 f"standard policy")
+    if (model.attention == "full" and cache_mode in CACHE_MODES
+            and cache_mode not in traits.cache_modes):
+        remedy = (f"; serve with 'diffusion_cache_mode' "
+                  f"{' or '.join(map(repr, traits.cache_modes))}" if traits.cache_modes else "")
+        return (f"the {policy.name} policy cannot serve {model.family} with "
+                f"'diffusion_cache_mode' {cache_mode!r}: {traits.cache_modes_reason}{remedy}")
     if model.shifted_logits and not traits.shifted_logits:
         return (f"the {policy.name} policy cannot serve {model.family}, whose logits are "
                 f"shifted (position i predicts i + 1): it plans its forwards for logits "
                 f"read at their own rows; use the standard policy")
+    if traits.sub_block_rows is not None and (model.routing_block_size is not None
+                                              or model.attention == "full"):
+        return (f"the {policy.name} policy cannot serve {model.family}: "
+                f"{traits.sub_block_rows} ({model.whole_blocks_reason}, so every forward "
+                f"must compute whole blocks)")
     if model.needs_whole_blocks:
         routing = model.routing_block_size
         if traits.partial_blocks is not None:
             return (f"the {policy.name} policy cannot serve {model.family}: "
                     f"{traits.partial_blocks} ({model.whole_blocks_reason}, so every "
                     f"forward must compute whole blocks)")
+        if traits.skips_rows and model.attention != "full":
+            return (f"the {policy.name} policy cannot serve {model.family}: it drops rows "
+                    f"inside the forward ({model.whole_blocks_reason}, so every row of a "
+                    f"block goes through every layer)")
         if routing is not None and block_size is not None and block_size % routing:
             return (f"{model.family} routes experts per block of {routing} tokens (config "
                     f"block_size); the diffusion block size ({block_size}) must be a "

@@ -235,6 +235,7 @@ def parse_engine_options(values: Mapping[str, Any], *, config_block_size: int | 
         raise OptionError(f"{source}: option 'diffusion_canvas_tokens' must be a multiple of "
                           f"the diffusion block size ({block_size}), got {canvas_tokens}")
     check_cache_mode(cache_mode, model, source)
+    model = model.under_cache(cache_mode)
     values = {**{k: v for k, v in model.option_defaults.items() if k in options}, **values}
     refuse_unknown(values, {*ENGINE_KEYS, *options}, source, f" for policy {policy_name!r}")
     policy_config = parse_options(policy.config_cls, values, source=source)
@@ -248,7 +249,7 @@ def parse_engine_options(values: Mapping[str, Any], *, config_block_size: int | 
 
 def check_cache_mode(cache_mode: Any, model: ModelCapabilities, source: str) -> None:
     """``diffusion_cache_mode`` is one of ``CACHE_MODES``; an approximate cache needs a
-    full-attention model whose logits are not shifted."""
+    full-attention model."""
     if cache_mode not in CACHE_MODES:
         raise OptionError(f"{source}: option 'diffusion_cache_mode' must be one of "
                           f"{', '.join(CACHE_MODES)}, got {shown(cache_mode)}")
@@ -258,10 +259,6 @@ def check_cache_mode(cache_mode: Any, model: ModelCapabilities, source: str) -> 
         raise OptionError(f"{source}: option 'diffusion_cache_mode' {cache_mode!r} is for "
                           f"full-attention models; {model.family} attends block-causally "
                           "and keeps exact KV of its committed blocks")
-    if model.shifted_logits:
-        raise OptionError(f"{source}: option 'diffusion_cache_mode' {cache_mode!r} is not "
-                          f"served for {model.family} yet: its logits are shifted, and "
-                          "Fast-dLLM's block loop for it is not implemented")
 
 
 def engine_config_from_vllm(vllm_config: Any) -> DiffusionEngineConfig:

@@ -64,10 +64,11 @@ def refuse_combination(model: ModelCapabilities, engine_options: dict[str, Any],
     if policy is None:
         return  # parsing the options names the unknown policy
     given = {k: v for k, v in engine_options.items() if k != "diffusion_policy"}
-    reason = refusal(model, policy, given)
+    cache_mode = engine_options.get("diffusion_cache_mode", "recompute")
+    reason = refusal(model, policy, given, cache_mode=cache_mode)
     if reason is None and config is not None:
         reason = refusal(model, policy, dataclasses.asdict(config.policy_config), given,
-                         block_size=config.block_size)
+                         block_size=config.block_size, cache_mode=config.cache_mode)
     if reason is not None:
         raise ValueError(reason)
 

@@ -75,7 +75,7 @@ def validate_sampling_params(params: Any, config: DiffusionEngineConfig) -> None
         raise VLLMValidationError(str(err), parameter="extra_args") from err
     model = config.model
     refused = refusal(model, config.policy, dataclasses.asdict(policy_config),
-                      given=params.extra_args or {})
+                      given=params.extra_args or {}, cache_mode=config.cache_mode)
     if refused is not None:
         raise VLLMValidationError(f"extra_args: {refused}", parameter="extra_args")
     _refuse_for_model(params, config)

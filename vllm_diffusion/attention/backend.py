@@ -242,7 +242,7 @@ class BlockDiffusionAttentionImpl(AttentionImpl[BlockDiffusionMetadata]):
                                  "slot (BlockDiffusionMetadata.selected_prefix)")
             view.selected_prefix.update(score_prefixes(
                 query[:n], kv_cache, view.query_start_loc, block_table, selection,
-                self.scale, sum_heads, self.num_heads * tp_size))
+                self.scale, sum_heads, self.num_heads * tp_size, view.kv_lens))
         output[:n] = attend_with_key_selection(
             query[:n], kv_cache, view, block_table, block_size, selection, self.scale,
             dense, kernel("sparse_prefix_attention", query.device))

@@ -1,7 +1,7 @@
 """Attention for a step with a key selection (``step.keys.KeySelection``), in two parts
-that change nothing they are given: the requests that select score their prefix
+that change nothing they are given: the requests that select score their context
 (``score_prefixes``, whose result the backend puts in the layer view's output slot), then
-the block rows of the sparse requests attend to their kept prefix keys plus their block
+the block rows of the sparse requests attend to their kept context keys plus their block
 with the sparse kernel and every other row attends densely (``attend_with_key_selection``)."""
 
 from __future__ import annotations
@@ -18,8 +18,11 @@ def score_prefixes(query: torch.Tensor, kv_cache: torch.Tensor,
                    query_start_loc: Sequence[int], block_table: torch.Tensor,
                    selection: KeySelection, scale: float,
                    sum_heads: Callable[[torch.Tensor], torch.Tensor] | None = None,
-                   total_heads: int | None = None) -> SelectedPrefix:
-    """The prefix positions each scoring request's block queries select at this layer.
+                   total_heads: int | None = None,
+                   kv_lens: Sequence[int] | None = None) -> SelectedPrefix:
+    """The context positions each scoring request's block queries select at this layer:
+    before its block, and after it up to its ``kv_lens`` entry where its keys reach past
+    the block (full attention).
 
     query: [T, H, D] the layer's queries; ``sum_heads`` and ``total_heads`` as in
     ``select_prefix`` (tensor parallel)."""
@@ -28,10 +31,19 @@ def score_prefixes(query: torch.Tensor, kv_cache: torch.Tensor,
         r = scoring.request
         end = query_start_loc[r + 1]
         block_query = query[end - selection.block_rows[r]:end]  # [n, H, D]
+        block_end = selection.prefix_lens[r] + selection.block_rows[r]
+        suffix = None if kv_lens is None else (block_end, kv_lens[r])
         selected[r] = select_prefix(
             block_query, kv_cache, block_table[r], selection.prefix_lens[r], scale,
-            scoring.keep, scoring.pool_kernel, scoring.per_kv_head, sum_heads, total_heads)
+            scoring.keep, scoring.pool_kernel, scoring.per_kv_head, sum_heads, total_heads,
+            suffix)
     return selected
+
+
+def block_ends(selection: KeySelection) -> list[int]:
+    """The end of each sparse request's block keys (its keys past the block, where it
+    has any, are reached through its kept positions only)."""
+    return [selection.prefix_lens[r] + selection.block_rows[r] for r in selection.sparse]
 
 
 def attend_with_key_selection(query: torch.Tensor, kv_cache: torch.Tensor, rows,
@@ -51,10 +63,10 @@ def attend_with_key_selection(query: torch.Tensor, kv_cache: torch.Tensor, rows,
     output = torch.empty_like(query)
     output[split.sparse_index] = sparse_kernel(
         query[split.sparse_index], kv_cache, positions[split.sparse_index],
-        split.sparse_loc, [kv_lens[r] for r in selection.sparse],
+        split.sparse_loc, block_ends(selection),
         block_table[split.sparse_requests.to(block_table.device)],
         block_size, scale, selection.kept_index,
-        [selection.prefix_lens[r] for r in selection.sparse])
+        [selection.prefix_lens[r] for r in selection.sparse], selection.kept_kv)
     if split.dense_index is not None:
         output[split.dense_index] = dense_kernel(
             query[split.dense_index], kv_cache, positions[split.dense_index],

@@ -35,7 +35,7 @@ KERNELS: dict[str, KernelOp] = {
                                 "triton_block_attention:block_causal_attention"),
     "sparse_prefix_attention": KernelOp(
         "sparse_prefix:sparse_prefix_attention",
-        "sparse_prefix:gathered_sparse_prefix_attention",
+        "sparse_prefix:compacted_sparse_prefix_attention",
         "triton_sparse_prefix:sparse_prefix_attention"),
     "candidate_importance": KernelOp("importance:looped_candidate_importance",
                                      "importance:batched_candidate_importance",

@@ -1,21 +1,30 @@
-"""Prefix-sparse attention over a paged KV cache (Sparse-dLLM's prefix side): the plain
-PyTorch reference, the vectorised torch path and the selection of kept prefix positions.
+"""Key-sparse attention over a paged KV cache (Sparse-dLLM): the plain PyTorch reference,
+the vectorised torch path and the selection of kept context positions.
 
-A request whose current block starts at ``prefix_len`` has exact committed KV at positions
-[0, prefix_len). At a layer, its block rows (positions >= prefix_len) attend to the kept
-prefix positions of each KV head (``kept_index[r, h_kv]``: ascending, -1 padding) plus the
-keys of its block under the block-causal rule ([prefix_len, kv_len), key block <= query
-block). Every other row of a step (prefill, commit, requests without a selection) attends
-densely, so committed KV stays exact.
+A request whose current block spans [prefix_len, kv_len) has KV at the positions before it
+(block diffusion: the exact committed prefix) and, under full attention with Fast-dLLM's
+dual cache, after it too (the canvas's cached KV, up to its end). At a layer, its block
+rows attend to the kept context positions of each KV head (``kept_index[r, h_kv]``:
+ascending, -1 padding; before or after the block) plus the keys of its block under the
+block-causal rule ([prefix_len, kv_len), key block <= query block; a full-attention
+model's span holds the whole sequence). Every other row of a step (prefill, commit,
+requests without a selection) attends densely, so committed KV stays exact.
 
-Selection (Sparse-dLLM Algorithm 5, the prefix side): the mean of the block's queries of
-each head scores every prefix key (scaled dot product, no softmax); the scores are averaged
-over the query heads (one list for the layer, as the authors' code does; per KV head: over
-the heads of its group), max-pooled over positions (kernel s, stride 1, padding s // 2),
-and the top ``keep`` positions are kept, ties to the earlier position.
+Selection (Sparse-dLLM Algorithm 5): the mean of the block's queries of each head scores
+every context key -- the positions before the block, then those after it, in that order
+(the authors' cache filtered of the block) -- by scaled dot product, no softmax; the
+scores are averaged over the query heads (one list for the layer, as the authors' code
+does; per KV head: over the heads of its group), max-pooled over that order (kernel s,
+stride 1, padding s // 2), and the top ``keep`` positions are kept, ties to the earlier.
 
 The Triton kernel (``triton_sparse_prefix``) has the signature of
-``sparse_prefix_attention``; tests compare the three attention paths on a named grid.
+``sparse_prefix_attention``; tests compare the attention paths on a named grid. The CPU
+path (``compacted_sparse_prefix_attention``) keeps each request's kept keys and values
+gathered once per layer and block (``KeptKV``, which the policy holds for the block: the
+kept positions' KV does not change while the selection stands), with room for the block's
+keys after them, so a step reads only its block's keys from the pages; without stores it
+gathers every call (``gathered_sparse_prefix_attention``). The reference and the Triton
+kernel take the stores and ignore them.
 """
 
 from __future__ import annotations
@@ -28,18 +37,34 @@ from vllm_diffusion.kernels.block_attention import gather_kv
 from vllm_diffusion.kernels.kv_pages import key_value_views
 
 
+def context_positions(prefix_len: int, suffix: tuple[int, int] | None,
+                      device: torch.device | None = None) -> torch.Tensor:
+    """[N] the positions a block's selection scores, in scoring order: [0, prefix_len),
+    then ``suffix`` ([block end, context end)) where the block has keys after it."""
+    before = torch.arange(prefix_len, device=device)
+    if suffix is None or suffix[1] <= suffix[0]:
+        return before
+    return torch.cat([before, torch.arange(suffix[0], suffix[1], device=device)])
+
+
 def select_prefix(block_query: torch.Tensor, kv_cache: torch.Tensor, page_ids: torch.Tensor,
                   prefix_len: int, scale: float, keep: int, pool_kernel: int,
                   per_kv_head: bool,
                   sum_heads: Callable[[torch.Tensor], torch.Tensor] | None = None,
-                  total_heads: int | None = None) -> torch.Tensor:
-    """[H_sel, keep] int64 ascending: the prefix positions kept for one request's block.
+                  total_heads: int | None = None,
+                  suffix: tuple[int, int] | None = None) -> torch.Tensor:
+    """[H_sel, keep] int64 ascending: the context positions kept for one request's block.
 
-    block_query: [n, H, D] the block's queries at this layer. ``sum_heads`` adds a score
-    summed over this rank's heads to the other ranks' (tensor parallel), ``total_heads``
-    the heads over all ranks; H_sel is 1, or H_kv with ``per_kv_head``.
+    block_query: [n, H, D] the block's queries at this layer; ``suffix``: (block end,
+    context end), the positions after the block that have KV (full attention), scored
+    after the prefix. ``sum_heads`` adds a score summed over this rank's heads to the other
+    ranks' (tensor parallel), ``total_heads`` the heads over all ranks; H_sel is 1, or
+    H_kv with ``per_kv_head``.
     """
-    keys, _ = gather_kv(kv_cache, page_ids, prefix_len)  # [N, H_kv, D]
+    positions = context_positions(prefix_len, suffix)  # [N]
+    end = suffix[1] if positions.numel() > prefix_len else prefix_len
+    keys, _ = gather_kv(kv_cache, page_ids, end)
+    keys = keys[positions.to(keys.device)] if end > prefix_len else keys  # [N, H_kv, D]
     num_heads, num_kv_heads = block_query.shape[1], keys.shape[1]
     mean_query = block_query.float().mean(dim=0)  # [H, D]
     grouped = mean_query.view(num_kv_heads, num_heads // num_kv_heads, -1)  # [H_kv, G, D]
@@ -52,17 +77,30 @@ def select_prefix(block_query: torch.Tensor, kv_cache: torch.Tensor, page_ids: t
             scores = sum_heads(scores)
         scores = scores / (total_heads or num_heads)
     pooled = torch.nn.functional.max_pool1d(
-        scores[:, None], pool_kernel, stride=1, padding=pool_kernel // 2)[:, 0, :prefix_len]
+        scores[:, None], pool_kernel, stride=1, padding=pool_kernel // 2)[:, 0, :len(positions)]
     order = torch.sort(pooled, dim=-1, descending=True, stable=True).indices
-    return order[:, :keep].sort(dim=-1).values
+    return positions.to(order.device)[order[:, :keep]].sort(dim=-1).values
+
+
+class KeptKV:
+    """One request's kept context keys and values at one layer for the current selection
+    (the CPU path's store): [H_kv, K + n, D] each, the K kept positions in ascending order
+    then room for the n block keys a step writes; None until the first sparse step."""
+
+    def __init__(self) -> None:
+        self.keys: torch.Tensor | None = None
+        self.values: torch.Tensor | None = None
+        self.kept = 0  # K
 
 
 def sparse_prefix_attention(query: torch.Tensor, kv_cache: torch.Tensor,
                             query_positions: torch.Tensor, query_start_loc: list[int],
                             kv_lens: list[int], block_table: torch.Tensor,
                             diffusion_block_size: int, scale: float,
-                            kept_index: torch.Tensor, prefix_lens: list[int]) -> torch.Tensor:
-    """Attention of block rows over kept prefix keys plus their block (the reference).
+                            kept_index: torch.Tensor, prefix_lens: list[int],
+                            kept_kv: list[KeptKV] | None = None) -> torch.Tensor:
+    """Attention of block rows over kept prefix keys plus their block (the reference;
+    ``kept_kv`` is ignored).
 
     query:           [T, H, D], rows of request r at positions >= prefix_lens[r]
     query_positions: [T]; query_start_loc: R + 1 row offsets; kv_lens: R key counts
@@ -77,7 +115,8 @@ def sparse_prefix_attention(query: torch.Tensor, kv_cache: torch.Tensor,
         start, end = query_start_loc[r], query_start_loc[r + 1]
         if start == end:
             continue
-        keys, values = gather_kv(kv_cache, block_table[r], kv_lens[r])  # [L, H_kv, D]
+        kept_end = int(kept_index[r].max()) + 1
+        keys, values = gather_kv(kv_cache, block_table[r], max(kv_lens[r], kept_end))
         block = torch.arange(prefix_lens[r], kv_lens[r], device=query.device)
         q_block = query_positions[start:end, None] // diffusion_block_size
         for kv_head in range(num_kv_heads):
@@ -94,14 +133,76 @@ def sparse_prefix_attention(query: torch.Tensor, kv_cache: torch.Tensor,
     return output
 
 
+def compacted_sparse_prefix_attention(query: torch.Tensor, kv_cache: torch.Tensor,
+                                      query_positions: torch.Tensor,
+                                      query_start_loc: list[int], kv_lens: list[int],
+                                      block_table: torch.Tensor, diffusion_block_size: int,
+                                      scale: float, kept_index: torch.Tensor,
+                                      prefix_lens: list[int],
+                                      kept_kv: list[KeptKV] | None = None) -> torch.Tensor:
+    """``sparse_prefix_attention`` over each request's ``KeptKV`` store (the CPU path):
+    the kept keys and values are gathered into it on its first call, and each call writes
+    its block's keys after them and attends over that store (a mask only where the rows
+    reach over more than one diffusion block). Without stores:
+    ``gathered_sparse_prefix_attention``."""
+    if kept_kv is None:
+        return gathered_sparse_prefix_attention(
+            query, kv_cache, query_positions, query_start_loc, kv_lens, block_table,
+            diffusion_block_size, scale, kept_index, prefix_lens)
+    output = torch.empty_like(query)
+    num_heads, head_size = query.shape[1], query.shape[2]
+    page_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[1]
+    group = num_heads // num_kv_heads
+    keys_view, values_view = key_value_views(kv_cache)
+    heads = torch.arange(num_kv_heads, device=query.device)[:, None]
+    for r, store in enumerate(kept_kv):
+        start, end = query_start_loc[r], query_start_loc[r + 1]
+        if start == end:
+            continue
+        table = block_table[r].to(query.device)
+        block = kv_lens[r] - prefix_lens[r]
+        if store.keys is None or store.keys.shape[1] != store.kept + block:
+            kept = kept_index[r].to(query.device)  # [H_kv, K_w], -1 padding at the end
+            store.kept = int((kept[0] >= 0).sum())
+            kept = kept[:, :store.kept]  # [H_kv, K]
+            store.keys = query.new_empty(num_kv_heads, store.kept + block, head_size)
+            store.values = torch.empty_like(store.keys)
+            pages, offsets = table[kept // page_size], kept % page_size
+            store.keys[:, :store.kept] = keys_view[pages, heads, offsets]
+            store.values[:, :store.kept] = values_view[pages, heads, offsets]
+        positions = torch.arange(prefix_lens[r], kv_lens[r], device=query.device)
+        pages, offsets = table[positions // page_size], positions % page_size
+        store.keys[:, store.kept:] = keys_view[pages[None], heads, offsets[None]]
+        store.values[:, store.kept:] = values_view[pages[None], heads, offsets[None]]
+        rows = end - start
+        grouped = query[start:end].view(rows, num_kv_heads, group, head_size).permute(
+            1, 2, 0, 3).reshape(num_kv_heads, group * rows, head_size)
+        visible = None  # kept keys precede the rows' block (or share a full-attention span)
+        row_blocks = query_positions[start:end].to(query.device) // diffusion_block_size
+        if (kv_lens[r] - 1) // diffusion_block_size > int(row_blocks.min()):
+            visible = torch.ones(rows, store.kept + block, dtype=torch.bool,
+                                 device=query.device)
+            visible[:, store.kept:] = (positions[None] // diffusion_block_size
+                                       <= row_blocks[:, None])
+            visible = visible.repeat(group, 1)  # [G * rows, K + n]
+        out = torch.nn.functional.scaled_dot_product_attention(
+            grouped, store.keys, store.values, attn_mask=visible,
+            scale=scale)  # [H_kv, G * rows, D]
+        output[start:end] = out.view(num_kv_heads, group, rows, head_size).permute(
+            2, 0, 1, 3).reshape(rows, num_heads, head_size)
+    return output
+
+
 def gathered_sparse_prefix_attention(query: torch.Tensor, kv_cache: torch.Tensor,
                                      query_positions: torch.Tensor, query_start_loc: list[int],
                                      kv_lens: list[int], block_table: torch.Tensor,
                                      diffusion_block_size: int, scale: float,
                                      kept_index: torch.Tensor,
-                                     prefix_lens: list[int]) -> torch.Tensor:
-    """``sparse_prefix_attention`` vectorised over requests and KV heads (the CPU path):
-    only the kept and block keys are gathered, [R, H_kv, K + max block keys]."""
+                                     prefix_lens: list[int],
+                                     kept_kv: list[KeptKV] | None = None) -> torch.Tensor:
+    """``sparse_prefix_attention`` vectorised over requests and KV heads, gathering only
+    the kept and block keys every call, [R, H_kv, K + max block keys] (``kept_kv`` is
+    ignored)."""
     num_rows, num_heads, head_size = query.shape
     if num_rows == 0:
         return torch.empty_like(query)

@@ -66,8 +66,10 @@ def sparse_prefix_attention(query: torch.Tensor, kv_cache: torch.Tensor,
                             query_positions: torch.Tensor, query_start_loc: list[int],
                             kv_lens: list[int], block_table: torch.Tensor,
                             diffusion_block_size: int, scale: float,
-                            kept_index: torch.Tensor, prefix_lens: list[int]) -> torch.Tensor:
-    """See ``sparse_prefix.sparse_prefix_attention``; shapes and semantics are identical."""
+                            kept_index: torch.Tensor, prefix_lens: list[int],
+                            kept_kv: list | None = None) -> torch.Tensor:
+    """See ``sparse_prefix.sparse_prefix_attention``; shapes and semantics are identical
+    (``kept_kv`` is ignored: each call reads the kept positions' pages directly)."""
     num_rows, num_heads, head_size = query.shape
     output = torch.empty_like(query)
     if num_rows == 0:

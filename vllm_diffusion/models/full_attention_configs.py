@@ -181,11 +181,15 @@ def _dream_capabilities(config: Any) -> ModelCapabilities:
     in the published ``DreamGenerationConfig``, which draws random numbers even at
     temperature 0 and is not served; the engine's default is ``maskgit_plus`` (the
     proposal's probability). Dream's README example asks for ``alg="entropy"`` (a
-    request option here)."""
+    request option here). Under Fast-dLLM's caches its block loop
+    (``generation_utils_block.py``) ranks the schedule's masks by negative entropy
+    whatever the ``alg`` (other than its ``confidence_threshold``, the engine's
+    ``threshold`` strategy): ``alg`` defaults to ``entropy`` there."""
     return ModelCapabilities(family="Dream", attention="full", shifted_logits=True,
                              whole_canvas=True,
                              option_defaults={"strategy": "timestep_schedule",
-                                              "alg": "maskgit_plus"})
+                                              "alg": "maskgit_plus"},
+                             cached_option_defaults={"alg": "entropy"})
 
 
 # model_type -> declaration (``configs.FAMILY_CAPABILITIES``)

@@ -51,6 +51,11 @@ a completed block is re-encoded when it is committed. With ``intra_block_cache=F
 every step recomputes the whole block (to separate the decision's effect from the
 cache's).
 
+On a full-attention model (LLaDA) every step computes the whole block (the default
+``intra_block_cache`` is off there), the freeze rule decides the commits, and any
+``diffusion_cache_mode`` applies; under Fast-dLLM's ``dual`` cache this is the paper's
+setting (frozen tokens still attended to, the block's rows computed against the cache).
+
 A preemption frees the block's KV; the confidence history is kept, and the step after it
 computes the whole block once (frozen positions with their tokens) before freezing again.
 Without the intra-block cache the block's KV is a function of its canvas, so a preempted
@@ -61,11 +66,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable
-from typing import ClassVar
+from collections.abc import Callable, Mapping
+from typing import Any, ClassVar
 
 import torch
 
+from vllm_diffusion.capabilities import PolicyTraits
 from vllm_diffusion.options import Rule, option
 from vllm_diffusion.policies.base import BlockUnmasking, DecodingPolicy, PolicyConfig
 from vllm_diffusion.policies.block_cache import RULES, IntraBlockCache
@@ -79,8 +85,9 @@ class AdaConfig(PolicyConfig):
     # K as a share of the block, fixed for the block (the paper: about 15%)
     capacity: float = option(0.15, Rule(float, low=0.0, high=1.0, low_inclusive=False))
     history: int = option(3, Rule(int, low=1, high=16))  # confidence steps per feature
-    # False: every step recomputes the whole block (frozen positions included)
-    intra_block_cache: bool = option(True, Rule(bool))
+    # False: every step recomputes the whole block (frozen positions included); None: on
+    # where the model lets a step compute part of a block (off under full attention)
+    intra_block_cache: bool | None = option(None, Rule(bool, optional=True))
     # With the cache, when a frozen position stops being computed (``block_cache.RULES``):
     # after one step with its token, never again, or once its right neighbour is decoded.
     freeze_rule: str = option("after_recompute", Rule(str, choices=RULES))
@@ -216,6 +223,20 @@ class AdaPolicy(DecodingPolicy[AdaConfig, AdaState]):
     config_cls: ClassVar[type] = AdaConfig
     confidence_rule: ClassVar[str] = "max_probability"
 
+    @classmethod
+    def traits(cls, options: Mapping[str, Any]) -> PolicyTraits:
+        """Without the intra-block cache every step computes the whole block: it decodes
+        full-attention models too (under any cache mode: its rule decides commits only)."""
+        return PolicyTraits(
+            attention_regimes=("block_causal", "full"),
+            partial_blocks=("option 'intra_block_cache' computes part of a block in some "
+                            "forwards; remove it") if options.get("intra_block_cache") else None)
+
+    def uses_intra_block_cache(self, config: AdaConfig) -> bool:
+        if config.intra_block_cache is None:
+            return not self.model.needs_whole_blocks
+        return config.intra_block_cache
+
     def __init__(self, block_size: int, mask_token_id: int,
                  engine_config: AdaConfig) -> None:
         super().__init__(block_size, mask_token_id, engine_config)
@@ -240,7 +261,7 @@ class AdaPolicy(DecodingPolicy[AdaConfig, AdaState]):
             self.history_table(state.history_steps).reset(request.slot)
 
     def plan_step(self, request: AdaRequest) -> BlockStepPlan:
-        if not request.policy_config.intra_block_cache:
+        if not self.uses_intra_block_cache(request.policy_config):
             return WHOLE_BLOCK
         return BlockStepPlan(request.policy_state.cache.processing_set())
 

@@ -1,7 +1,7 @@
 """ES-dLLM: skip low-importance block positions after early layers (Zhu et al., "ES-dLLM:
 Efficient Inference for Diffusion Large Language Models by Early-Skipping", sections
 5.1-5.2, Algorithm 1, Appendix B; the authors' released code, zhuzj19/ES-dLLM), inside the
-current block of a block-diffusion model.
+current block of a block-diffusion model, or of a full-attention model's dual cache.
 
 At each layer ``l`` of ``skip_layers``, after the layer's output H_l, every block position
 still in the forward gets the importance (Eq. 1)
@@ -49,6 +49,12 @@ Deviations, with their reasons:
   computes everything (as a refresh does). The decision state (c_prev, the cached
   outputs, the decoded positions, the block's step count) is kept across it.
 
+On a full-attention model (LLaDA), the paper's own setting: under Fast-dLLM's dual cache
+(``diffusion_cache_mode`` ``dual``, required) a block's first step refreshes every
+position's KV with a full forward (the paper's prompt refresh; the authors' default
+period, the block length, makes it once per block at one token per step) and computes
+everything; the later steps compute the block alone, skipping as above.
+
 Default ``skip_layers``: the paper's depths 1/8 and 1/4 of the layers (layers 4 and 8 of
 LLaDA's 32), rounded half up, then moved into [2, L - 2] so that layers 0-1 (whose outputs
 barely depend on context in a shallow model) and the last layer are never skip points: 12
@@ -59,10 +65,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Mapping
 from typing import Any, ClassVar
 
 import torch
 
+from vllm_diffusion.capabilities import PolicyTraits
 from vllm_diffusion.options import OptionError, Rule, option
 from vllm_diffusion.policies.es_state import EsSlotState, EsState, EsUnmasking
 from vllm_diffusion.policies.strategy_unmasking import StrategyPolicy
@@ -263,6 +271,18 @@ class EsPolicy(StrategyPolicy[EsConfig, EsState]):
     name: ClassVar[str] = "es"
     config_cls: ClassVar[type] = EsConfig
     confidence_rule: ClassVar[str] = "max_probability"
+
+    @classmethod
+    def traits(cls, options: Mapping[str, Any]) -> PolicyTraits:
+        """Plans whole blocks and drops rows inside the forward; under full attention it
+        skips within the cached window."""
+        return dataclasses.replace(
+            super().traits(options), partial_blocks=None,
+            skips_rows=options.get("skip_ratio", 0.5) > 0,
+            attention_regimes=("block_causal", "full"), cache_modes=("dual",),
+            cache_modes_reason=("ES-dLLM skips positions of the block a cached step "
+                                "computes alone; 'recompute' and 'prefix' compute the "
+                                "positions after it too"))
 
     def __init__(self, block_size: int, mask_token_id: int,
                  engine_config: EsConfig) -> None:

@@ -1,6 +1,14 @@
-"""Sparse-dLLM's prefix side (Song et al., "Sparse-dLLM: Accelerating Diffusion LLMs with
-Dynamic Cache Eviction", Algorithms 4-5, "Cache Implementation for Prefix-Sparse"), with
-any of the standard unmasking strategies.
+"""Sparse-dLLM (Song et al., "Sparse-dLLM: Accelerating Diffusion LLMs with Dynamic Cache
+Eviction", Algorithms 4-5), with any of the standard unmasking strategies.
+
+On a full-attention model (LLaDA), as published: under Fast-dLLM's dual cache
+(``diffusion_cache_mode`` ``dual``, required: the eviction acts on the KV cached outside
+the block) the block's first step refreshes every position's KV; at step ``delay_steps``
+the block's queries select, per layer, the kept positions among every position outside
+the block -- the prompt and earlier blocks, and the canvas after the block (the paper's
+bidirectional eviction) -- and the later steps of the block attend to those plus the
+block. A step that computes more than the block (a refresh, also after a preemption)
+attends densely and keeps the selection.
 
 In a block-diffusion model nothing follows the current block, so of the paper's
 bidirectional eviction only the prefix side applies. For step i (0-based) of a block that
@@ -29,10 +37,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Mapping
 from typing import Any, ClassVar
 
 import torch
 
+from vllm_diffusion.capabilities import PolicyTraits
+from vllm_diffusion.kernels.sparse_prefix import KeptKV
 from vllm_diffusion.options import OptionError, Rule, option
 from vllm_diffusion.policies.strategy_unmasking import StrategyPolicy
 from vllm_diffusion.policies.unmasking import StrategyConfig
@@ -57,10 +68,17 @@ class SparsePrefixConfig(StrategyConfig):
 
 @dataclasses.dataclass
 class SparsePrefixState:
-    """Per request: the current block's kept prefix positions."""
+    """Per request: the current block's kept context positions, and per layer the store of
+    their keys and values the CPU attention fills once (``KeptKV``)."""
 
     # [L, H_sel, k] int64 (model device), -1 where a layer has not selected yet
     kept: torch.Tensor | None = None
+    kept_kv: list[KeptKV] | None = None
+
+    def forget_kv(self, num_layers: int) -> None:
+        """The kept positions' keys and values are to be read anew (a new selection, or
+        the KV recomputed after a preemption)."""
+        self.kept_kv = [KeptKV() for _ in range(num_layers)]
 
 
 SparsePrefixRequest = DiffusionRequest[SparsePrefixConfig, SparsePrefixState]
@@ -88,6 +106,7 @@ class SparsePrefixHooks(StepHooks):
         self.split = RowSplit.of([0] + [s.rows.stop for s in step.requests], self.block_rows,
                                  self.sparse, step.device) if sparse else None
         self.kept = None  # [R_sparse, L, H_kv, K] int64
+        self.kept_kv = [request.policy_state.kept_kv for _, request in sparse]
         if sparse:
             lists = [request.policy_state.kept for _, request in sparse]
             width = max(1, max(kept.shape[2] for kept in lists))
@@ -100,7 +119,7 @@ class SparsePrefixHooks(StepHooks):
         layer = layer_input.layer
         return KeySelection(self.block_rows, self.prefix_lens, self.sparse,
                             None if self.kept is None else self.kept[:, layer], self.scoring,
-                            self.split)
+                            self.split, [stores[layer] for stores in self.kept_kv])
 
     def after_key_scoring(self, layer: int, selected: SelectedPrefix) -> None:
         """The layer's selection for each request that selects this step: kept for the
@@ -110,10 +129,27 @@ class SparsePrefixHooks(StepHooks):
 
 
 class SparsePrefixPolicy(StrategyPolicy[SparsePrefixConfig, SparsePrefixState]):
-    """Unmasks like ``standard``; the block's rows see a selected part of the prefix."""
+    """Unmasks like ``standard``; the block's rows see a selected part of the context."""
 
     name: ClassVar[str] = "sparse_prefix"
     config_cls: ClassVar[type] = SparsePrefixConfig
+
+    @classmethod
+    def traits(cls, options: Mapping[str, Any]) -> PolicyTraits:
+        """Every forward computes whole blocks (only the attention's keys are selected);
+        under full attention it needs the dual cache."""
+        if options.get("delay_steps", 1) == 0:  # the block's first step is its refresh
+            return PolicyTraits(
+                attention_regimes=("block_causal", "full"), cache_modes=(),
+                cache_modes_reason=(
+                    "option 'delay_steps' 0 would select at the block's first step, which "
+                    "refreshes the whole sequence's KV under the dual cache; set it to 1 "
+                    "or more"))
+        return PolicyTraits(
+            attention_regimes=("block_causal", "full"), cache_modes=("dual",),
+            cache_modes_reason=(
+                "Sparse-dLLM evicts from the KV cached outside the block, which "
+                "'recompute' does not keep and 'prefix' recomputes after the block"))
 
     def __init__(self, block_size: int, mask_token_id: int,
                  engine_config: SparsePrefixConfig) -> None:
@@ -130,23 +166,29 @@ class SparsePrefixPolicy(StrategyPolicy[SparsePrefixConfig, SparsePrefixState]):
         return SparsePrefixState()
 
     def start_block(self, request: SparsePrefixRequest, resumed: bool) -> None:
-        # The kept lists index committed prefix positions, whose KV a preemption
-        # recomputes exactly: a resumed block keeps them.
+        # The kept lists index context positions, whose KV a preemption recomputes: a
+        # resumed block keeps them and reads their KV anew.
         if not resumed:
             request.policy_state.kept = None
+        request.policy_state.forget_kv(self.num_layers)
 
     def forward_hooks(self, step: ForwardStep) -> StepHooks | None:
         scoring, sparse = [], []
+        full_attention = self.model.attention == "full"
         for index, s in enumerate(step.requests):
             request = s.request
             if request is None or request.canvas.start == 0:
                 continue  # nothing before the block: nothing to select from
+            if full_attention and not s.block_only:
+                continue  # a refresh of the whole sequence: dense
             config, state = request.policy_config, request.policy_state
             step_in_block = request.canvas.steps
             if step_in_block < config.delay_steps:
                 continue
             if state.kept is None:  # the block's selection step
-                keep = math.floor(config.retention_ratio * request.canvas.start)
+                after_block = s.key_end - request.canvas.start - len(s.block_rows)
+                context = request.canvas.start + (after_block if full_attention else 0)
+                keep = math.floor(config.retention_ratio * context)
                 heads = self._local_kv_heads() if config.per_kv_head else 1
                 state.kept = torch.full((self.num_layers, heads, keep), -1, dtype=torch.long,
                                         device=step.device)
@@ -164,4 +206,4 @@ class SparsePrefixPolicy(StrategyPolicy[SparsePrefixConfig, SparsePrefixState]):
         return max(1, self.num_kv_heads // get_tensor_model_parallel_world_size())
 
     def on_block_complete(self, request: SparsePrefixRequest) -> None:
-        request.policy_state.kept = None
+        request.policy_state.kept = request.policy_state.kept_kv = None

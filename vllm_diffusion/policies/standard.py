@@ -1,5 +1,6 @@
-"""Standard block-diffusion decoding: every step computes the whole block, or the chunk
-window of chunked decoding (``chunk_window.py``), and unmasks by one of the strategies of
+"""Standard block-diffusion decoding: every step computes the whole block, the chunk
+window of chunked decoding (``chunk_window.py``), or with Fast-dLLM v2's block cache the
+active sub-block (``sub_block_cache.py``), and unmasks by one of the strategies of
 ``unmasking.py``."""
 
 from __future__ import annotations
@@ -11,19 +12,47 @@ from typing import Any, ClassVar
 import torch
 
 from vllm_diffusion.capabilities import PolicyTraits
+from vllm_diffusion.options import OptionError, Rule, option
 from vllm_diffusion.policies.chunk_window import ChunkConfig, ChunkWindow
 from vllm_diffusion.policies.strategy_unmasking import StrategyPolicy
+from vllm_diffusion.policies.sub_block_cache import SubBlockCache
 from vllm_diffusion.step.plans import BlockStepPlan
 from vllm_diffusion.step.request import DiffusionRequest
 
 
 @dataclasses.dataclass(frozen=True)
 class StandardConfig(ChunkConfig):
-    """The strategy and chunk-window options (see ``chunk_window.ChunkConfig``)."""
+    """The strategy and chunk-window options (see ``chunk_window.ChunkConfig``), and
+    Fast-dLLM v2's block cache."""
+
+    # Fast-dLLM v2's ``use_block_cache``: between refreshes of the whole block, a step
+    # computes only the active sub-block's rows against the block's cached KV
+    # (``sub_block_cache.py``).
+    sub_block_cache: bool = option(False, Rule(bool))
+
+    def validate_for_block(self, block_size: int, source: str) -> None:
+        super().validate_for_block(block_size, source)
+        if not self.sub_block_cache:
+            return
+        if self.chunk_size is not None or self.chunk_reuse:
+            raise OptionError(f"{source}: option 'sub_block_cache' cannot be combined with "
+                              f"'chunk_size' or 'chunk_reuse' (both choose the rows a step "
+                              f"computes); remove one")
+        self.refuse_editing_with(source, "with 'sub_block_cache' (positions outside the "
+                                         "active sub-block get no new proposal)")
 
 
-class StandardPolicy(StrategyPolicy[StandardConfig, ChunkWindow]):
-    """Unmasks by one of ``STRATEGIES``, computing the whole block or a chunk of it."""
+@dataclasses.dataclass
+class StandardState:
+    """Per request: the chunk window and the sub-block cache."""
+
+    window: ChunkWindow
+    sub_blocks: SubBlockCache
+
+
+class StandardPolicy(StrategyPolicy[StandardConfig, StandardState]):
+    """Unmasks by one of ``STRATEGIES``, computing the whole block, a chunk of it, or its
+    active sub-block."""
 
     name: ClassVar[str] = "standard"
     config_cls: ClassVar[type] = StandardConfig
@@ -34,23 +63,32 @@ class StandardPolicy(StrategyPolicy[StandardConfig, ChunkWindow]):
         return dataclasses.replace(super().traits(options), partial_blocks=(
             "options 'chunk_size' and 'chunk_reuse' compute part of a block in a forward; "
             "remove them") if chunked else None, attention_regimes=("block_causal", "full"),
-            shifted_logits=True)
+            shifted_logits=True, sub_block_rows=(
+                "option 'sub_block_cache' computes only the active sub-block in some "
+                "forwards; remove it") if options.get("sub_block_cache", False) else None)
 
-    def new_state(self, config: StandardConfig) -> ChunkWindow:
-        return ChunkWindow(self.block_size)
+    def new_state(self, config: StandardConfig) -> StandardState:
+        return StandardState(ChunkWindow(self.block_size), SubBlockCache(self.block_size))
 
-    def start_block(self, request: DiffusionRequest[StandardConfig, ChunkWindow],
+    def start_block(self, request: DiffusionRequest[StandardConfig, StandardState],
                     resumed: bool) -> None:
-        request.policy_state.start_block()
+        request.policy_state.window.start_block()
+        request.policy_state.sub_blocks.start_block()
 
-    def plan_step(self, request: DiffusionRequest[StandardConfig, ChunkWindow]
+    def plan_step(self, request: DiffusionRequest[StandardConfig, StandardState]
                   ) -> BlockStepPlan:
-        config = request.policy_config
-        return request.policy_state.plan(request.canvas, self.mask_token_id,
-                                         config.chunk_size, config.chunk_reuse)
+        config, state = request.policy_config, request.policy_state
+        if config.sub_block_cache:
+            return state.sub_blocks.plan(request.canvas, self.mask_token_id,
+                                         config.sub_block_size)
+        return state.window.plan(request.canvas, self.mask_token_id, config.chunk_size,
+                                 config.chunk_reuse)
 
-    def after_step(self, request: DiffusionRequest[StandardConfig, ChunkWindow],
+    def after_step(self, request: DiffusionRequest[StandardConfig, StandardState],
                    masked_before: torch.Tensor, computed: torch.Tensor,
                    num_decoded: int) -> None:
-        request.policy_state.after_step(masked_before, computed,
-                                        request.policy_config.chunk_reuse)
+        config, state = request.policy_config, request.policy_state
+        if config.sub_block_cache:
+            state.sub_blocks.after_step(computed)
+        else:
+            state.window.after_step(masked_before, computed, config.chunk_reuse)

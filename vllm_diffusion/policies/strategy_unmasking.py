@@ -87,6 +87,7 @@ class StrategyUnmasking(BlockUnmasking[StrategyConfig, Any]):
         # a strategy's own options only where a block follows it (not on every step)
         scheduled = any(c.strategy == "timestep_schedule" for c in configs)
         bounded = any(c.strategy == "entropy_bounded" for c in configs)
+        by_factor = any(c.strategy == "factor" for c in configs)
         return batched_choose_commits(
             batch.confidence, self._candidates(batch), self._steps_taken(batch),
             self._steps_allowed(batch), codes,
@@ -98,7 +99,9 @@ class StrategyUnmasking(BlockUnmasking[StrategyConfig, Any]):
             torch.tensor([SCHEDULE_RANKINGS.index(c.alg) for c in configs],
                          dtype=torch.long) if scheduled else None,
             torch.tensor([c.entropy_bounded_order == "confidence" for c in configs])
-            if bounded else None)
+            if bounded else None,
+            torch.tensor([c.factor for c in configs], dtype=torch.float64)
+            if by_factor else None)
 
     def scheduled_idle(self, batch: CommitBatch) -> list[bool]:
         """Blocks under ``timestep_schedule`` whose quota this step is 0 before their last

@@ -44,7 +44,7 @@ from vllm_diffusion.policies.timestep_schedule import (SCHEDULE_RANKINGS, UNSERV
                                                        schedule_score, timestep_quota)
 
 STRATEGIES = ("low_confidence_dynamic", "low_confidence_static", "sequential", "threshold",
-              "entropy_bounded", "timestep_schedule")
+              "entropy_bounded", "timestep_schedule", "factor")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,6 +57,9 @@ class StrategyConfig(PolicyConfig):
 
     strategy: str = option("low_confidence_dynamic", Rule(str, choices=STRATEGIES))
     threshold: float = option(0.9, Rule(float, low=0.0, high=1.0))
+    # ``factor`` (Fast-dLLM's dynamic rule): the masked position of confidence rank n
+    # (1-based) commits while every rank up to it is at least 1 - factor / (n + 1)
+    factor: float = option(1.0, Rule(float, low=0.0, high=1e6, low_inclusive=False))
     # gamma of ``entropy_bounded`` (nats); 0.1 as the public EB-sampler implementations
     # default to (the paper sweeps 1e-3 to 1)
     entropy_bound: float = option(0.1, Rule(float, low=0.0, high=1e6))
@@ -191,6 +194,11 @@ def choose_commits(confidence: torch.Tensor, masked: torch.Tensor, step: int,
                 break
             count += 1
         commit[order[:count]] = True
+    elif strategy == "factor":
+        if step >= steps - 1:
+            return masked.clone()
+        commit[top_by_confidence(conf, factor_count(
+            confidence[top_by_confidence(conf, num_masked)], config.factor))] = True
     elif strategy == "timestep_schedule":
         count = timestep_quota(num_masked, step, steps, config.eps)
         score = confidence if config.alg == "maskgit_plus" else -entropy
@@ -199,6 +207,31 @@ def choose_commits(confidence: torch.Tensor, masked: torch.Tensor, step: int,
     else:  # parse_options restricts strategy to STRATEGIES
         raise AssertionError(strategy)
     return commit
+
+
+def factor_count(ranked: torch.Tensor, factor: float) -> int:
+    """How many masked positions Fast-dLLM's dynamic rule (``get_transfer_index_dynamic``,
+    NVlabs/Fast-dLLM f6b35ec) commits, from their confidences in descending order
+    (``ranked``: [m], m >= 1): the ranks before the first rank n (1-based) whose
+    confidence is below 1 - factor / (n + 1) (the first rank always passes), except that
+    a failure at the last rank, or none, commits all m."""
+    m = len(ranked)
+    for index in range(1, m):
+        if float(ranked[index]) < 1.0 - factor / (index + 2):
+            return m if index == m - 1 else index
+    return m
+
+
+def batched_factor_count(ranked: torch.Tensor, num_masked: torch.Tensor,
+                         factor: torch.Tensor) -> torch.Tensor:
+    """``factor_count`` for R blocks: ranked [R, B] confidences in descending order
+    (masked positions first), num_masked [R], factor [R] float; returns [R] int64."""
+    block = ranked.shape[1]
+    index = torch.arange(block)
+    bar = 1.0 - factor.double()[:, None] / (index[None, :] + 2)  # [R, B]
+    fails = (ranked.double() < bar) & (index[None, :] >= 1) & (index[None, :] < num_masked[:, None])
+    first = torch.where(fails, index[None, :], block).min(dim=1).values  # [R]
+    return torch.where(first >= num_masked - 1, num_masked, first)
 
 
 def active_sub_block(masked: torch.Tensor, sub_block_size: torch.Tensor) -> torch.Tensor:
@@ -219,8 +252,8 @@ def batched_choose_commits(confidence: torch.Tensor, masked: torch.Tensor,
                            entropy_bound: torch.Tensor | None = None,
                            eps: torch.Tensor | None = None,
                            alg: torch.Tensor | None = None,
-                           entropy_bounded_by_confidence: torch.Tensor | None = None
-                           ) -> torch.Tensor:
+                           entropy_bounded_by_confidence: torch.Tensor | None = None,
+                           factor: torch.Tensor | None = None) -> torch.Tensor:
     """``choose_commits`` for R blocks at once (the engine's path; tested against it).
 
     confidence, masked: [R, B]; steps_taken (the block's step), steps_allowed (its
@@ -229,7 +262,8 @@ def batched_choose_commits(confidence: torch.Tensor, masked: torch.Tensor,
     ``entropy_bounded``, with entropy_bounded_by_confidence: [R] bool, the blocks whose
     ``entropy_bounded_order`` is ``confidence``); eps: [R] float64 and alg: [R] int64 (an
     index into ``SCHEDULE_RANKINGS``) where a block uses ``timestep_schedule`` (with
-    entropy where its alg is ``entropy``).
+    entropy where its alg is ``entropy``); factor: [R] float where a block uses
+    ``factor``.
     """
     num_rows, block = masked.shape
     num_masked = masked.sum(dim=1)
@@ -271,7 +305,15 @@ def batched_choose_commits(confidence: torch.Tensor, masked: torch.Tensor,
         timestep = (score_rank < scheduled_count) & masked
     else:
         timestep = torch.zeros_like(masked)
+    if bool((strategy == STRATEGIES.index("factor")).any()):
+        if factor is None:
+            raise ValueError("the factor strategy needs each block's factor")
+        ranked = conf.gather(1, order)  # [R, B] descending, masked first
+        count = batched_factor_count(ranked, num_masked, factor)[:, None]
+        by_factor = torch.where(last_step, masked, (rank < count) & masked)
+    else:
+        by_factor = torch.zeros_like(masked)
     choices = torch.stack([dynamic, top, sequential, by_threshold,
-                           entropy_bounded, timestep])  # STRATEGIES order
+                           entropy_bounded, timestep, by_factor])  # STRATEGIES order
     return choices[strategy, torch.arange(num_rows)]
 

@@ -33,6 +33,13 @@ class StepRequest:
     rows: range  # its query rows in the step
     block_rows: torch.Tensor | None  # [n] query rows of its computed block positions
     block_positions: torch.Tensor | None  # [n] block-relative positions of those rows
+    key_end: int = 0  # one past its last key this step (full attention: the canvas's end)
+
+    @property
+    def block_only(self) -> bool:
+        """Whether its rows are exactly its computed block positions (a full-attention
+        step under a cache that reads every other position's KV from it)."""
+        return self.block_rows is not None and len(self.rows) == len(self.block_rows)
 
     def masked_rows(self, mask_token_id: int) -> torch.Tensor:
         """[m] step rows of its computed positions still masked (candidates), ascending."""

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -81,3 +82,7 @@ class KeySelection:
     # the rows' split, the same at every layer of a step: made once by the hooks that
     # select; None: the attention splits the rows for its own call
     split: RowSplit | None = None
+    # per sparse request, its store of this layer's kept keys and values
+    # (``kernels.sparse_prefix.KeptKV``, held by the policy while the selection stands),
+    # which the CPU path fills once and reads after; None: gathered every step
+    kept_kv: Sequence[Any] | None = None

@@ -106,6 +106,10 @@ class BlockUpdates:
         commits = _ask_policy(self.unmasking.choose_commits, CommitBatch, requests,
                               commit_inputs, failures, "choosing its commits")
         scheduled_idle = self.unmasking.scheduled_idle(CommitBatch(requests, *commit_inputs))
+        forced = [b.rows.commit_candidates for b in blocks]  # ``RequestRows``
+        if any(forced):
+            commits = commits | (available & torch.tensor(forced)[:, None])
+            scheduled_idle = [idle and not f for idle, f in zip(scheduled_idle, forced)]
         if grammar.active:
             grammar.include_first(commits)
         tokens_before = step.tokens

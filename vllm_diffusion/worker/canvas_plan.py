@@ -10,7 +10,11 @@ wrote), and logits are made for the block's rows only: the canvas past the block
 before its block (LLaDA's semi-autoregressive blocks). Where the model's logits are
 shifted (``ModelCapabilities.shifted_logits``: Dream's position j is predicted by row
 j - 1), the block's logits come from the rows one before it: from the last known token's
-row (vLLM refuses an empty prompt, so a block never starts at row 0).
+row (vLLM refuses an empty prompt, so a block never starts at row 0). Under a cache, a
+shifted model decodes by Fast-dLLM's Dream block loop: the refresh decides the block's
+first position alone, committed whatever the policy's rule (``RequestRows.
+commit_candidates``), and the later steps read the rest of the block from the rows of the
+window they compute (position j from row j - 1, the first position being decided).
 
 A request that vLLM's token budget scheduled only part of (a step shared by more
 sequences than the budget holds) computes nothing this step and waits for a later one:
@@ -64,11 +68,17 @@ def plan_canvas_request(req_id: str, token_ids: KnownTokens, num_computed: int,
     rows = geometry.computed_rows(block_start, block_end, end, refresh)
     tokens = (token_ids[rows.start:block_start] + canvas.tokens[:computed].tolist()
               + [mask_token_id] * (rows.stop - block_end))
-    return RequestRows(req_id, list(rows), tokens, end, 0, request,
-                       whole_block(block_size) if computed == block_size
-                       else torch.arange(computed),
-                       block_row_start=block_start - rows.start - logits_shift,
-                       kv_refresh=refresh and geometry.cache_mode != "recompute")
+    cached = geometry.cache_mode != "recompute"
+    positions = (whole_block(block_size) if computed == block_size
+                 else torch.arange(computed))
+    first_alone = False
+    if cached and logits_shift:  # Fast-dLLM's Dream block loop (see the module doc)
+        first_alone = refresh and int(canvas.tokens[0]) == mask_token_id
+        positions = positions[:1] if first_alone else positions[1:]
+    return RequestRows(req_id, list(rows), tokens, end, 0, request, positions,
+                       block_row_start=(block_start + int(positions[0]) - rows.start
+                                        - logits_shift) if len(positions) else None,
+                       kv_refresh=refresh and cached, commit_candidates=first_alone)
 
 
 class CanvasPlanner:

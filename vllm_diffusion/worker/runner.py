@@ -44,6 +44,7 @@ from vllm_diffusion.worker.outputs import (DiffusionRunnerOutput, DiffusionStats
 from vllm_diffusion.worker.proposal import ProposalPipeline, chunk_rows
 from vllm_diffusion.worker.proposal_grid import scatter_to_host
 from vllm_diffusion.worker.row_context import RowContext
+from vllm_diffusion.worker.sampling import argmax_params
 from vllm_diffusion.worker.step_failures import StepFailures
 from vllm_diffusion.worker.step_plan import (KnownTokens, RequestRows, denoised_blocks,
                                              forward_step, stop_tokens)
@@ -191,7 +192,8 @@ class DiffusionRunnerMixin:
             return None
         mask_id = self.diffusion.mask_token_id
         states = [self.requests[b.rows.req_id] for b in blocks]
-        params = [s.sampling_params for s in states]
+        params = [argmax_params(s.sampling_params) if b.rows.argmax_proposals
+                  else s.sampling_params for b, s in zip(blocks, states)]
         context = RowContext.of([b.rows.canvas for b in blocks], states, where, mask_id)
         requests = [b.rows.request for b in blocks]
         with_entropy = self.policy.unmasking.wants_entropy(requests)

@@ -15,12 +15,22 @@ seeded draws included.
 
 from __future__ import annotations
 
+import copy
+
 import torch
 
 _GREEDY_EPS = 1e-5  # vLLM treats temperatures below this as greedy
 # A proposal row's validity (``proposal.invalid_rows``): valid, no token left after the
 # logit stages, a logit NaN / overflowed, or its request's proposals raised.
 ROW_VALID, ROW_NO_TOKEN, ROW_NOT_FINITE, ROW_FAILED = 0, 1, 2, 3
+
+
+def argmax_params(params):
+    """A copy of the sampling parameters ``params`` that proposes the argmax (temperature
+    0), its other fields kept (penalties, logprobs, constraints)."""
+    greedy = copy.copy(params)
+    greedy.temperature = 0.0
+    return greedy
 
 
 def filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:

@@ -14,7 +14,11 @@ logits are read from, always the row before it:
   block) and none of the new block's, and reads position 0 from the last of them. This is
   a clean block's commit fused with one autoregressive step; the block's denoising steps
   follow, with its first token known. Should the step hold no commit row (that row's KV
-  cached already), the row is computed again, which rewrites its KV unchanged.
+  cached already), the row is computed again, which rewrites its KV unchanged. That
+  step's proposal is the argmax at any temperature, as the published commit step's;
+- a step that computes a run of the block's positions from a known one (the active
+  sub-block under Fast-dLLM v2's block cache, ``policies/sub_block_cache.py``) reads each
+  later position of the run from the row before it, all rows of the run.
 """
 
 from __future__ import annotations
@@ -36,9 +40,7 @@ def shift_block_rows(rows: RequestRows, token_ids: KnownTokens, block_size: int,
     if rows.request is None:  # a prefill chunk: no logits
         return rows
     if len(rows.block_positions) != block_size:
-        raise RuntimeError(f"request {rows.req_id}: the policy planned part of a block of a "
-                           f"model whose logits are shifted (its traits should have "
-                           f"refused it)")
+        return shift_run_rows(rows, mask_token_id)
     num_commit = len(rows.positions) - block_size
     if int(rows.canvas.tokens[0]) != mask_token_id:
         return dataclasses.replace(rows, block_positions=after_first(block_size),
@@ -52,7 +54,21 @@ def shift_block_rows(rows: RequestRows, token_ids: KnownTokens, block_size: int,
         positions, tokens = [start - 1], token_ids[start - 1:start]
     return dataclasses.replace(rows, positions=positions, token_ids=tokens, kv_len=start,
                                block_positions=first_only(),
-                               block_row_start=len(positions) - 1)
+                               block_row_start=len(positions) - 1, argmax_proposals=True)
+
+
+def shift_run_rows(rows: RequestRows, mask_token_id: int) -> RequestRows:
+    """``rows`` (a step planned on a run of block positions that starts at a known one)
+    with each later position of the run read from the row before it."""
+    computed = rows.block_positions  # [n] int64, ascending
+    start, count = int(computed[0]), len(computed)
+    if (int(computed[-1]) != start + count - 1
+            or int(rows.canvas.tokens[start]) == mask_token_id):
+        raise RuntimeError(f"request {rows.req_id}: the policy planned part of a block of a "
+                           f"model whose logits are shifted other than a run of positions "
+                           f"from a known one (its traits should have refused it)")
+    return dataclasses.replace(rows, block_positions=computed[1:],
+                               block_row_start=len(rows.positions) - count)
 
 
 @functools.lru_cache(maxsize=8)

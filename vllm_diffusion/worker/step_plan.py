@@ -56,6 +56,12 @@ class RequestRows:
     block_row_start: int | None = None  # the block's first row among the request's rows
     # full attention under an approximate cache: this step rewrites every position's KV
     kv_refresh: bool = False
+    # every computed masked position is committed whatever the policy chooses (the
+    # refresh of Fast-dLLM's Dream block loop decides the block's first position alone)
+    commit_candidates: bool = False
+    # the block's proposals are the argmax whatever the temperature (a shifted model's
+    # block's first token, read at the previous block's commit as its published loop does)
+    argmax_proposals: bool = False
 
     @property
     def canvas(self) -> BlockCanvas | None:
@@ -150,7 +156,7 @@ def forward_step(rows: list[RequestRows], device: torch.device) -> ForwardStep:
         requests.append(StepRequest(r.request, span,
                                     torch.arange(first_block_row,
                                                  first_block_row + len(r.block_positions)),
-                                    r.block_positions))
+                                    r.block_positions, r.kv_len))
     return ForwardStep(requests, offset, device)
 
 
