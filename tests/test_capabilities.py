@@ -182,3 +182,18 @@ def test_full_attention_cache_modes_of_the_seed_methods():
     message = refusal(full, POLICIES["sparse_prefix"], {"delay_steps": 0}, cache_mode="dual")
     assert "option 'delay_steps' 0" in message and message.endswith("set it to 1 or more")
     assert refusal(FIXED, POLICIES["sparse_prefix"], {"delay_steps": 0}) is None
+
+
+def test_traits_read_options_as_their_rules_parse_them():
+    """Start-up checks the options as given (strings from a command line included) before
+    they are parsed: the traits parse what they read, and a bad value names its option."""
+    from vllm_diffusion.options import OptionError
+
+    full = ModelCapabilities(family="Full", attention="full")
+    assert refusal(full, POLICIES["es"], {"skip_ratio": "0.3"}, cache_mode="dual") is None
+    assert refusal(full, POLICIES["ada"], {"intra_block_cache": "false"}) is None
+    assert "'intra_block_cache'" in refusal(full, POLICIES["ada"], {"intra_block_cache": "true"})
+    assert refusal(full, POLICIES["sparse_prefix"], {"delay_steps": "0"},
+                   cache_mode="dual") is not None
+    with pytest.raises(OptionError, match="skip_ratio"):
+        refusal(full, POLICIES["es"], {"skip_ratio": "many"}, cache_mode="dual")

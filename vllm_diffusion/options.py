@@ -138,6 +138,16 @@ def option(default: Any, rule: Rule) -> Any:
     return dataclasses.field(default=default, metadata={"rule": rule})
 
 
+def option_value(cls: type, options: Mapping[str, Any], name: str) -> Any:
+    """``options[name]`` as the option's rule parses it (a bad value raises
+    ``OptionError`` naming it), or its default where absent: for ``traits``, which may see
+    options as given, before they are parsed."""
+    field = next(f for f in dataclasses.fields(cls) if f.name == name)
+    if name not in options:
+        return field.default
+    return field.metadata["rule"].check(name, options[name], "options")
+
+
 def option_names(cls: type) -> tuple[str, ...]:
     return tuple(f.name for f in dataclasses.fields(cls))
 

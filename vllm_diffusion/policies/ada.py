@@ -72,7 +72,7 @@ from typing import Any, ClassVar
 import torch
 
 from vllm_diffusion.capabilities import PolicyTraits
-from vllm_diffusion.options import Rule, option
+from vllm_diffusion.options import Rule, option, option_value
 from vllm_diffusion.policies.base import BlockUnmasking, DecodingPolicy, PolicyConfig
 from vllm_diffusion.policies.block_cache import RULES, IntraBlockCache
 from vllm_diffusion.step.plans import WHOLE_BLOCK, BlockStepPlan, CommitBatch
@@ -230,7 +230,7 @@ class AdaPolicy(DecodingPolicy[AdaConfig, AdaState]):
         return PolicyTraits(
             attention_regimes=("block_causal", "full"),
             partial_blocks=("option 'intra_block_cache' computes part of a block in some "
-                            "forwards; remove it") if options.get("intra_block_cache") else None)
+                            "forwards; remove it") if option_value(cls.config_cls, options, "intra_block_cache") else None)
 
     def uses_intra_block_cache(self, config: AdaConfig) -> bool:
         if config.intra_block_cache is None:

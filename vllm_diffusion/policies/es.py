@@ -71,7 +71,7 @@ from typing import Any, ClassVar
 import torch
 
 from vllm_diffusion.capabilities import PolicyTraits
-from vllm_diffusion.options import OptionError, Rule, option
+from vllm_diffusion.options import OptionError, Rule, option, option_value
 from vllm_diffusion.policies.es_state import EsSlotState, EsState, EsUnmasking
 from vllm_diffusion.policies.strategy_unmasking import StrategyPolicy
 from vllm_diffusion.policies.unmasking import StrategyConfig
@@ -278,7 +278,7 @@ class EsPolicy(StrategyPolicy[EsConfig, EsState]):
         skips within the cached window."""
         return dataclasses.replace(
             super().traits(options), partial_blocks=None,
-            skips_rows=options.get("skip_ratio", 0.5) > 0,
+            skips_rows=option_value(cls.config_cls, options, "skip_ratio") > 0,
             attention_regimes=("block_causal", "full"), cache_modes=("dual",),
             cache_modes_reason=("ES-dLLM skips positions of the block a cached step "
                                 "computes alone; 'recompute' and 'prefix' compute the "

@@ -44,7 +44,7 @@ import torch
 
 from vllm_diffusion.capabilities import PolicyTraits
 from vllm_diffusion.kernels.sparse_prefix import KeptKV
-from vllm_diffusion.options import OptionError, Rule, option
+from vllm_diffusion.options import OptionError, Rule, option, option_value
 from vllm_diffusion.policies.strategy_unmasking import StrategyPolicy
 from vllm_diffusion.policies.unmasking import StrategyConfig
 from vllm_diffusion.step.hooks import ForwardStep, LayerHooks, LayerInput, StepHooks
@@ -138,7 +138,7 @@ class SparsePrefixPolicy(StrategyPolicy[SparsePrefixConfig, SparsePrefixState]):
     def traits(cls, options: Mapping[str, Any]) -> PolicyTraits:
         """Every forward computes whole blocks (only the attention's keys are selected);
         under full attention it needs the dual cache."""
-        if options.get("delay_steps", 1) == 0:  # the block's first step is its refresh
+        if option_value(cls.config_cls, options, "delay_steps") == 0:  # the block's first step is its refresh
             return PolicyTraits(
                 attention_regimes=("block_causal", "full"), cache_modes=(),
                 cache_modes_reason=(

@@ -12,7 +12,7 @@ from typing import Any, ClassVar
 import torch
 
 from vllm_diffusion.capabilities import PolicyTraits
-from vllm_diffusion.options import OptionError, Rule, option
+from vllm_diffusion.options import OptionError, Rule, option, option_value
 from vllm_diffusion.policies.chunk_window import ChunkConfig, ChunkWindow
 from vllm_diffusion.policies.strategy_unmasking import StrategyPolicy
 from vllm_diffusion.policies.sub_block_cache import SubBlockCache
@@ -59,13 +59,14 @@ class StandardPolicy(StrategyPolicy[StandardConfig, StandardState]):
 
     @classmethod
     def traits(cls, options: Mapping[str, Any]) -> PolicyTraits:
-        chunked = options.get("chunk_size") is not None or options.get("chunk_reuse", False)
+        chunked = (option_value(cls.config_cls, options, "chunk_size") is not None
+                   or option_value(cls.config_cls, options, "chunk_reuse"))
         return dataclasses.replace(super().traits(options), partial_blocks=(
             "options 'chunk_size' and 'chunk_reuse' compute part of a block in a forward; "
             "remove them") if chunked else None, attention_regimes=("block_causal", "full"),
             shifted_logits=True, sub_block_rows=(
                 "option 'sub_block_cache' computes only the active sub-block in some "
-                "forwards; remove it") if options.get("sub_block_cache", False) else None)
+                "forwards; remove it") if option_value(cls.config_cls, options, "sub_block_cache") else None)
 
     def new_state(self, config: StandardConfig) -> StandardState:
         return StandardState(ChunkWindow(self.block_size), SubBlockCache(self.block_size))

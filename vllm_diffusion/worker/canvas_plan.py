@@ -58,6 +58,12 @@ def plan_canvas_request(req_id: str, token_ids: KnownTokens, num_computed: int,
     if canvas is not previous:
         canvas.tokens[block_end - block_start:] = PAST_CANVAS_TOKEN
     refresh = canvas is not previous or resumed
+    cached = geometry.cache_mode != "recompute"
+    if cached and logits_shift and int(canvas.tokens[0]) == mask_token_id:
+        # The block's first position is read from the row before the block, which only a
+        # refresh computes: refresh again where the last one's commit was undone (a bad
+        # word, a grammar) or its row was not usable.
+        refresh = True
     if refresh:
         policy.start_block(request, resumed=canvas is previous)
     plan = policy.plan_step(request)
@@ -68,7 +74,6 @@ def plan_canvas_request(req_id: str, token_ids: KnownTokens, num_computed: int,
     rows = geometry.computed_rows(block_start, block_end, end, refresh)
     tokens = (token_ids[rows.start:block_start] + canvas.tokens[:computed].tolist()
               + [mask_token_id] * (rows.stop - block_end))
-    cached = geometry.cache_mode != "recompute"
     positions = (whole_block(block_size) if computed == block_size
                  else torch.arange(computed))
     first_alone = False

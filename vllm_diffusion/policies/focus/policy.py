@@ -26,6 +26,7 @@ paper's implementation does, and keeps the frozen positions' KV.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
@@ -33,7 +34,7 @@ import torch
 
 from vllm_diffusion.capabilities import PolicyTraits
 from vllm_diffusion.kernels.selection import CONTEXT_RULES
-from vllm_diffusion.options import OptionError, Rule, option
+from vllm_diffusion.options import OptionError, Rule, option, option_value
 from vllm_diffusion.policies.block_cache import IntraBlockCache
 from vllm_diffusion.policies.focus.hooks import FocusStepHooks
 from vllm_diffusion.policies.strategy_unmasking import StrategyPolicy
@@ -120,12 +121,12 @@ class FocusPolicy(StrategyPolicy[FocusConfig, FocusRequestState]):
 
     @classmethod
     def traits(cls, options: Mapping[str, Any]) -> PolicyTraits:
-        partial = (options.get("evict", True) or options.get("intra_block_cache", True)
-                   or options.get("commit", "exact") != "exact")
+        value = functools.partial(option_value, cls.config_cls, options)
+        partial = (value("evict") or value("intra_block_cache") or value("commit") != "exact")
         return dataclasses.replace(super().traits(options), partial_blocks=(
             "it computes whole blocks only with its full budget: set 'evict' and "
             "'intra_block_cache' to false and keep commit='exact'") if partial else None,
-            skips_rows=bool(options.get("evict", True)))
+            skips_rows=bool(value("evict")))
 
     def __init__(self, block_size: int, mask_token_id: int,
                  engine_config: FocusConfig) -> None:
