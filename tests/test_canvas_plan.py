@@ -142,3 +142,33 @@ def test_full_attention_refuses_what_cannot_decode_under_it():
     for name in ("es", "sparse_prefix"):
         assert "'diffusion_cache_mode' 'recompute'" in refusal(FULL, POLICIES[name], {})
     assert refusal(FULL, POLICIES["ada"], {}) is None
+
+
+def test_shifted_logits_under_a_cache_plan_the_dream_block_loop():
+    """Fast-dLLM's Dream block loop under ``dual``: the refresh computes the whole
+    sequence and offers only the block's first position (read from the row before the
+    block, committed whatever the rule); a later step computes the block alone and reads
+    positions 1.. from rows 0..; while the first position is still a mask (its commit
+    undone), the next step refreshes again instead of leaving it unreadable."""
+    policy = StandardPolicy(4, MASK, StandardConfig())
+    geometry = CanvasGeometry(4, canvas_tokens=8, max_model_len=64, cache_mode="dual")
+    request = new_request(policy)
+    prompt = KnownTokens([5, 6, 7], [])
+
+    def plan():
+        return plan_canvas_request("r", prompt, 0, 3, geometry, MASK, request, policy,
+                                   False, max_tokens=8, logits_shift=1)
+
+    rows = plan()
+    assert rows.positions == list(range(11)) and rows.kv_refresh
+    assert rows.block_positions.tolist() == [0] and rows.block_row_start == 2
+    assert rows.commit_candidates
+    request.canvas.tokens[0] = 30  # the refresh committed the first position
+    rows = plan()
+    assert rows.positions == [3, 4, 5, 6] and not rows.kv_refresh
+    assert rows.block_positions.tolist() == [1, 2, 3] and rows.block_row_start == 0
+    assert not rows.commit_candidates
+    request.canvas.tokens[0] = MASK  # undone (a bad word, a grammar): refresh again
+    rows = plan()
+    assert rows.positions == list(range(11)) and rows.kv_refresh and rows.commit_candidates
+    assert rows.block_positions.tolist() == [0]
