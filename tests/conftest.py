@@ -84,6 +84,44 @@ def assert_abort_mid_block_frees_kv(llm, params) -> None:
     assert block_pool.get_num_free_blocks() == free_before
 
 
+def assert_dual_cache_preemptions_refresh(checkpoint, prompts: list[list[int]],
+                                          engine: dict | None = None,
+                                          options: dict | None = None,
+                                          abort_options: dict | None = None,
+                                          mask_id: int | None = None) -> None:
+    """An engine short of pages under Fast-dLLM's ``dual`` cache (blocks of 4, a canvas of
+    8, ``engine`` more options) preempts some of ``prompts`` (4 of them, request options
+    ``options``) mid-block; each resumes with a refresh and finishes its 20 tokens (5
+    blocks: more refreshes than blocks; none the mask token ``mask_id`` where given); a
+    request aborted mid-block (``abort_options``, default sequential) gives its pages
+    back."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from vllm_diffusion_lab.offline import stats_delta
+
+    def greedy(max_tokens: int, extra: dict | None) -> SamplingParams:
+        return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True,
+                              extra_args=extra or None)
+
+    with diffusion_llm(checkpoint, diffusion_block_size=4, block_size=16,
+                       max_model_len=48, max_num_seqs=4, num_gpu_blocks_override=5,
+                       additional_config={**(engine or {}), "diffusion_canvas_tokens": 8,
+                                          "diffusion_cache_mode": "dual"}) as llm:
+        watched = watch_preemptions(llm)
+        before = llm.collective_rpc("diffusion_stats")[0]
+        outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts],
+                               greedy(20, options), use_tqdm=False)
+        stats = stats_delta(before, llm.collective_rpc("diffusion_stats")[0])
+        assert watched, "no request was preempted; the test does not cover preemption"
+        for output in outputs:
+            tokens = list(output.outputs[0].token_ids)
+            assert len(tokens) == 20 and mask_id not in tokens
+        assert stats["kv_refreshes"] > 5 * len(prompts), stats  # 5 blocks each, and resumes
+        assert_abort_mid_block_frees_kv(
+            llm, greedy(16, abort_options or {"strategy": "sequential"}))
+
+
 def outputs_with_and_without_room(checkpoint, prompts, params, **engine) -> tuple[dict, list]:
     """Greedy outputs ({tight: [token ids]}) of an engine with room for every request
     and of one so short of KV pages that requests are preempted, and the preempted ids."""

@@ -16,7 +16,7 @@ import pathlib
 
 import pytest
 
-from conftest import diffusion_llm
+from conftest import assert_dual_cache_preemptions_refresh, diffusion_llm
 from reference_dream import ReferenceDream, reference_generate_cached
 
 from vllm_diffusion_lab.fixtures.tiny_dream import build_tiny_dream
@@ -85,23 +85,5 @@ def test_preemption_resumes_the_block_loop_with_a_refresh(dream_checkpoint):
     with a refresh of its block (its first position already decided: the refresh reads the
     rest of the block) and finishes with its whole output; an aborted request gives its
     pages back."""
-    from vllm import SamplingParams
-
-    from conftest import assert_abort_mid_block_frees_kv, watch_preemptions
-
-    prompts = [PROMPTS["long"], PROMPTS["short"], [30, 31, 32, 33, 34], [7, 8]]
-    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
-    with diffusion_llm(dream_checkpoint, diffusion_block_size=4, block_size=16,
-                       max_model_len=48, max_num_seqs=4, num_gpu_blocks_override=5,
-                       additional_config={"diffusion_canvas_tokens": 8,
-                                          "diffusion_cache_mode": "dual"}) as llm:
-        watched = watch_preemptions(llm)
-        before = llm.collective_rpc("diffusion_stats")[0]
-        outputs = llm.generate(token_prompts(prompts), params, use_tqdm=False)
-        stats = stats_delta(before, llm.collective_rpc("diffusion_stats")[0])
-        assert watched, "no request was preempted; the test does not cover preemption"
-        assert [len(o.outputs[0].token_ids) for o in outputs] == [20] * len(prompts)
-        assert stats["kv_refreshes"] > 5 * len(prompts), stats  # 5 blocks each, and resumes
-        assert_abort_mid_block_frees_kv(llm, SamplingParams(
-            temperature=0.0, max_tokens=16, ignore_eos=True,
-            extra_args={"strategy": "sequential"}))
+    assert_dual_cache_preemptions_refresh(
+        dream_checkpoint, [PROMPTS["long"], PROMPTS["short"], [30, 31, 32, 33, 34], [7, 8]])

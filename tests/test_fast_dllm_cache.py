@@ -11,7 +11,7 @@ abort; the refusals of what the modes do not serve. Dream's block loop:
 from __future__ import annotations
 
 import pytest
-from conftest import assert_abort_mid_block_frees_kv, diffusion_llm, watch_preemptions
+from conftest import assert_dual_cache_preemptions_refresh, diffusion_llm
 from reference_llada import reference_generate_cached
 from test_full_attention import (GRID, PROMPTS, greedy, llada_checkpoint,  # noqa: F401
                                  reference, token_prompts)
@@ -94,19 +94,9 @@ def test_preemption_rebuilds_the_kv_with_a_refresh(llada_checkpoint):
     with a refresh (more refreshes than blocks) and finishes with its whole output; an
     aborted request gives its pages back. Outputs may differ from an engine with room
     (the refresh sees the block's newer tokens), which is documented."""
-    prompts = [PROMPTS["long"], PROMPTS["block"], PROMPTS["short"], [30, 31, 32, 33, 34]]
-    with diffusion_llm(llada_checkpoint, diffusion_block_size=4, block_size=16,
-                       max_model_len=48, max_num_seqs=4, num_gpu_blocks_override=5,
-                       additional_config={"diffusion_canvas_tokens": 8,
-                                          "diffusion_cache_mode": "dual"}) as llm:
-        watched = watch_preemptions(llm)
-        before = llm.collective_rpc("diffusion_stats")[0]
-        outputs = llm.generate(token_prompts(prompts), greedy(20), use_tqdm=False)
-        stats = stats_delta(before, llm.collective_rpc("diffusion_stats")[0])
-        assert watched, "no request was preempted; the test does not cover preemption"
-        assert [len(o.outputs[0].token_ids) for o in outputs] == [20] * len(prompts)
-        assert stats["kv_refreshes"] > 5 * len(prompts), stats  # 5 blocks each, and resumes
-        assert_abort_mid_block_frees_kv(llm, greedy(16, strategy="sequential"))
+    assert_dual_cache_preemptions_refresh(
+        llada_checkpoint, [PROMPTS["long"], PROMPTS["block"], PROMPTS["short"],
+                           [30, 31, 32, 33, 34]])
 
 
 @pytest.mark.parametrize("mode, message", [

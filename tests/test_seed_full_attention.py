@@ -16,7 +16,7 @@ import json
 
 import pytest
 import torch
-from conftest import assert_abort_mid_block_frees_kv, diffusion_llm, watch_preemptions
+from conftest import assert_dual_cache_preemptions_refresh, diffusion_llm
 from reference_llada import ReferenceLLaDA, reference_generate_cached
 from reference_seed_full_attention import (reference_ada_dual_generate,
                                            reference_es_dual_generate,
@@ -287,21 +287,11 @@ def test_preemption_and_abort_under_each_policy(llada_checkpoint, reference, pol
     back."""
     _, mask_id = reference
     engine, options, abort_options = UNDER_PREEMPTION[policy]
-    prompts = [PROMPTS["long"], PROMPTS["block"], PROMPTS["short"], [30, 31, 32, 33, 34]]
-    with diffusion_llm(llada_checkpoint, diffusion_block_size=4, block_size=16,
-                       max_model_len=48, max_num_seqs=4, num_gpu_blocks_override=5,
-                       additional_config={"diffusion_policy": policy, **DUAL, **engine,
-                                          "diffusion_canvas_tokens": 8}) as llm:
-        watched = watch_preemptions(llm)
-        before = llm.collective_rpc("diffusion_stats")[0]
-        outputs = llm.generate(token_prompts(prompts), greedy(20, **options), use_tqdm=False)
-        stats = stats_delta(before, llm.collective_rpc("diffusion_stats")[0])
-        assert watched, "no request was preempted; the test does not cover preemption"
-        for output in outputs:
-            tokens = list(output.outputs[0].token_ids)
-            assert len(tokens) == 20 and mask_id not in tokens
-        assert stats["kv_refreshes"] > 5 * len(prompts), stats  # 5 blocks each, and resumes
-        assert_abort_mid_block_frees_kv(llm, greedy(16, **abort_options))
+    assert_dual_cache_preemptions_refresh(
+        llada_checkpoint, [PROMPTS["long"], PROMPTS["block"], PROMPTS["short"],
+                           [30, 31, 32, 33, 34]],
+        engine={"diffusion_policy": policy, **engine}, options=options,
+        abort_options=abort_options, mask_id=mask_id)
 
 
 @pytest.mark.parametrize("policy, engine", [("sparse_prefix", {}),

@@ -85,9 +85,10 @@ class StrategyUnmasking(BlockUnmasking[StrategyConfig, Any]):
         configs = [r.policy_config for r in batch.requests]
         codes = _strategy_codes(batch)
         # a strategy's own options only where a block follows it (not on every step)
-        scheduled = any(c.strategy == "timestep_schedule" for c in configs)
-        bounded = any(c.strategy == "entropy_bounded" for c in configs)
-        by_factor = any(c.strategy == "factor" for c in configs)
+        followed = {c.strategy for c in configs}
+        scheduled = "timestep_schedule" in followed
+        bounded = "entropy_bounded" in followed
+        by_factor = "factor" in followed
         return batched_choose_commits(
             batch.confidence, self._candidates(batch), self._steps_taken(batch),
             self._steps_allowed(batch), codes,

@@ -197,8 +197,8 @@ def choose_commits(confidence: torch.Tensor, masked: torch.Tensor, step: int,
     elif strategy == "factor":
         if step >= steps - 1:
             return masked.clone()
-        commit[top_by_confidence(conf, factor_count(
-            confidence[top_by_confidence(conf, num_masked)], config.factor))] = True
+        order = top_by_confidence(conf, num_masked)  # the masked positions, best first
+        commit[order[:factor_count(confidence[order], config.factor)]] = True
     elif strategy == "timestep_schedule":
         count = timestep_quota(num_masked, step, steps, config.eps)
         score = confidence if config.alg == "maskgit_plus" else -entropy
