@@ -16,8 +16,9 @@ pytestmark = pytest.mark.engine
 
 STRATEGY = {"strategy": st.sampled_from(["low_confidence_dynamic", "threshold", "sequential",
                                          "entropy_bounded", "low_confidence_static",
-                                         "timestep_schedule"]),
+                                         "timestep_schedule", "factor"]),
             "threshold": st.sampled_from([0.0, 0.9, 1.0]),
+            "factor": st.sampled_from([0.1, 1.0, 4.0]),
             "alg": st.sampled_from(["maskgit_plus", "entropy"]),
             "eps": st.sampled_from([1e-3, 0.5]),
             "denoising_steps": st.integers(1, BLOCK_SIZE),
@@ -26,7 +27,8 @@ STRATEGY = {"strategy": st.sampled_from(["low_confidence_dynamic", "threshold", 
             "sub_block_size": st.sampled_from([None, 1, 2, BLOCK_SIZE])}
 POLICY_OPTIONS = {
     "standard": st.fixed_dictionaries({}, optional={
-        **STRATEGY, "chunk_size": st.sampled_from([1, 2, 4]), "chunk_reuse": st.booleans()}),
+        **STRATEGY, "chunk_size": st.sampled_from([1, 2, 4]), "chunk_reuse": st.booleans(),
+        "sub_block_cache": st.booleans()}),
     "es": st.fixed_dictionaries({}, optional={
         **STRATEGY, "alpha": st.sampled_from([0.0, 1.0]),
         "skip_ratio": st.sampled_from([0.0, 0.9]), "refresh_period": st.sampled_from([1, 8]),
@@ -55,6 +57,37 @@ def test_generated_requests_under_every_policy(four_layers, policy):
                        additional_config={"diffusion_policy": policy}) as llm:
         reference = (None if policy == "elastic" else list(
             llm.generate(PROMPT, reference_params(), use_tqdm=False)[0].outputs[0].token_ids))
+
+        @settings(max_examples=EXAMPLES, deadline=None, derandomize=True,
+                  suppress_health_check=[HealthCheck.too_slow])
+        @given(fields=SURFACE, extra_args=POLICY_OPTIONS[policy])
+        def run(fields, extra_args):
+            generate_and_check(llm, reference, fields, extra_args)
+
+        run()
+
+
+@pytest.fixture(scope="module")
+def four_layer_llada(tmp_path_factory):
+    from vllm_diffusion_lab.fixtures.tiny_llada import build_tiny_llada
+
+    return build_tiny_llada(tmp_path_factory.mktemp("llada-4-layers"), num_layers=4)
+
+
+# Full attention under Fast-dLLM's dual cache: each policy that decodes there
+FULL_ATTENTION_POLICIES = ("standard", "es", "ada", "sparse_prefix")
+
+
+@pytest.mark.parametrize("policy", FULL_ATTENTION_POLICIES)
+def test_generated_requests_on_full_attention_under_the_dual_cache(four_layer_llada, policy):
+    """The same property on LLaDA with ``diffusion_cache_mode`` ``dual`` (the options a
+    policy cannot take there are refused at admission, which the property allows)."""
+    with diffusion_llm(four_layer_llada, diffusion_block_size=BLOCK_SIZE, max_model_len=128,
+                       additional_config={"diffusion_policy": policy,
+                                          "diffusion_cache_mode": "dual",
+                                          "diffusion_canvas_tokens": 4 * BLOCK_SIZE}) as llm:
+        reference = list(
+            llm.generate(PROMPT, reference_params(), use_tqdm=False)[0].outputs[0].token_ids)
 
         @settings(max_examples=EXAMPLES, deadline=None, derandomize=True,
                   suppress_health_check=[HealthCheck.too_slow])
