@@ -137,7 +137,6 @@ def train(config: TrainConfig, init: Path | None, from_sdar: Path | None, keep_l
     print(f"saved checkpoint to {config.out} "
           f"({(config.out / 'model.safetensors').stat().st_size} bytes in {config.save_dtype})", flush=True)
     if config.eval_per_family:
-        model.cpu()
         accuracy = llada_format.evaluate(
             model, tokenizer, eval_examples(config.eval_per_family), mask_id=mask_id,
             stop_ids=[im_end, endoftext], gen_length=config.eval_gen_length,

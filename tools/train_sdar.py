@@ -373,9 +373,10 @@ def optimize(model: Qwen3ForCausalLM, loss_fn, next_items, config: TrainConfig, 
     """AdamW with warm-up and cosine decay over ``max_steps`` (default: estimated from the
     speed of the first steps to fill ``minutes``); stops at the step count or the time."""
     optimizer = make_optimizer(model, config)
-    total_steps = max_steps or 10**9
+    total_steps = max_steps if max_steps is not None else 10**9
     budget_s, started = minutes * 60, time.perf_counter()
     last_save, window_loss, window_tokens, window_start, step = started, 0.0, 0, started, 0
+    timed_from = started
     window_extras: dict[str, float] = {}
     while step < total_steps and time.perf_counter() - started < budget_s:
         # (loss, tokens) or (loss, tokens, {name: value} more figures to log as means)
@@ -391,8 +392,11 @@ def optimize(model: Qwen3ForCausalLM, loss_fn, next_items, config: TrainConfig, 
         step += 1
         window_loss, window_tokens = window_loss + loss.item(), window_tokens + num_tokens
         now = time.perf_counter()
+        if step == config.estimate_after // 4:
+            timed_from = now  # the first steps (allocation, CUDA's kernel loading) excluded
         if step == config.estimate_after and max_steps is None:
-            total_steps = int(step * budget_s / (now - started))
+            pace = (now - timed_from) / (step - config.estimate_after // 4)  # s per step
+            total_steps = step + int((budget_s - (now - started)) / pace)
             print(f"cosine schedule set to {total_steps} steps (pass {steps_flag} {total_steps} to reproduce)")
         if step % config.log_every == 0:
             print(f"step {step:6d}  loss {window_loss / config.log_every:.4f}  "

@@ -353,10 +353,13 @@ def main(argv=None):
         for name in names:
             for dtype_name in args.dtypes:
                 began = time.perf_counter()
-                records += verify_point(op, name, GRIDS[op][name], dtype_name, device,
-                                        mode == "interpreter", dtype_problems[dtype_name],
-                                        time_ms)
-                print(f"{op:24} {name:34} {dtype_name}  "
+                point = verify_point(op, name, GRIDS[op][name], dtype_name, device,
+                                     mode == "interpreter", dtype_problems[dtype_name], time_ms)
+                records += point
+                # The status of each point as it finishes: a run stopped early still tells.
+                statuses = " ".join(f"{r['implementation']} {r['status']}" for r in point
+                                    if r["implementation"] in ("triton", "torch_path"))
+                print(f"{op:24} {name:34} {dtype_name}  {statuses}  "
                       f"{time.perf_counter() - began:6.2f} s", file=sys.stderr, flush=True)
     summary = summarize(records)
     results = {
