@@ -44,6 +44,25 @@ def add_common_options(parser, *, out: str, batch_sizes: Sequence[int] | None = 
     parser.add_argument("--out", type=pathlib.Path, default=ROOT / out)
 
 
+def add_prompt_set_option(parser) -> None:
+    """``--prompt-set``: the evaluation split's prompts (scored) or the unscored chat prompts
+    of other kinds (``vllm_diffusion_lab.quality.chat_set``)."""
+    parser.add_argument("--prompt-set", choices=("eval", "chat"), default="eval",
+                        help="eval: the evaluation split's families, scored; chat: chat "
+                             "prompts of other kinds, not scored")
+
+
+def workload_examples(args, count: int) -> list:
+    """``count`` examples of ``--prompt-set`` (those of the chat set have empty answers)."""
+    if args.prompt_set == "chat":
+        from vllm_diffusion_lab.quality.chat_set import chat_examples
+
+        return chat_examples(count)
+    from vllm_diffusion_lab.quality.corpus import mixed_eval_examples
+
+    return mixed_eval_examples(count)
+
+
 def model_path(args) -> str:
     from vllm_diffusion.default_model import default_model_path
 

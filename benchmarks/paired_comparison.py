@@ -41,11 +41,14 @@ def paired_difference_interval(lost: int, gained: int, total: int,
     return round(difference, 4), round(difference - half, 4), round(difference + half, 4)
 
 
-def compare(runs: list[dict], baseline: dict) -> list[dict]:
+def compare(runs: list[dict], baseline: dict, baseline_block: int | None = None) -> list[dict]:
+    """Each run against the baseline option set at its own block size, or, with
+    ``baseline_block``, every run against the baseline at that block size."""
     rows = []
     for block_size in sorted({r["block_size"] for r in runs}):
         same_block = [r for r in runs if r["block_size"] == block_size]
-        base = next(r for r in same_block if r["options"] == baseline)
+        base_block = block_size if baseline_block is None else baseline_block
+        base = next(r for r in runs if r["options"] == baseline and r["block_size"] == base_block)
         for run in same_block:
             lost = gained = 0
             for family, answers in run["correct_by_problem"].items():
@@ -72,9 +75,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("results", type=pathlib.Path, help="a quality-harness JSON")
     parser.add_argument("--baseline", default="{}", help="the baseline's option set, as JSON")
+    parser.add_argument("--baseline-block", type=int, default=None,
+                        help="compare every run with the baseline at this block size "
+                             "(default: each block size with its own baseline)")
     args = parser.parse_args()
     runs = json.loads(args.results.read_text())["runs"]
-    rows = compare(runs, json.loads(args.baseline))
+    rows = compare(runs, json.loads(args.baseline), args.baseline_block)
     args.results.with_suffix(".paired.json").write_text(json.dumps(rows, indent=1) + "\n")
     print("| B | options | solved | arith | instr. [95%] | lost / gained | p | difference [95%] "
           "| tok/step | positions 0-1 / later | tok/s |")

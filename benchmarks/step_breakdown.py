@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import json
 import os
 import pathlib
 import statistics
@@ -81,7 +82,8 @@ def side_engine(side: str, args, model, ar_model, examples) -> dict[int, dict]:
     else:
         engine = autoregressive_llm(ar_model, max_num_seqs=max(args.batch_sizes),
                                     enforce_eager=args.eager)
-    params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True,
+                            extra_args=(args.options or None) if side == "plugin" else None)
     results = {}
     with engine as llm, instrument(llm, side == "plugin") as clock:
         prompts = chat_prompts(llm.get_tokenizer(), examples)
@@ -108,20 +110,24 @@ def main() -> None:
     parser.add_argument("--block-size", type=int, default=4)
     parser.add_argument("--policy", default="standard")
     parser.add_argument("--eager", action="store_true")
+    parser.add_argument("--options", type=json.loads, default=None,
+                        help="the plugin's per-request options as JSON, e.g. "
+                             "'{\"threshold\": 0.8}' (default: none, the policy's defaults)")
+    harness.add_prompt_set_option(parser)
     args = parser.parse_args()
     harness.engines_in_process()
 
     from vllm_diffusion_lab.bench import autoregressive_copy
-    from vllm_diffusion_lab.quality.corpus import mixed_eval_examples
-
     model = harness.model_path(args)
-    examples = mixed_eval_examples(max(args.batch_sizes))
+    examples = harness.workload_examples(args, max(args.batch_sizes))
     with tempfile.TemporaryDirectory() as tmp:
         ar_model = autoregressive_copy(pathlib.Path(model), pathlib.Path(tmp))
         measured = harness.alternate(SIDES, args.rounds, functools.partial(
             side_engine, args=args, model=model, ar_model=ar_model, examples=examples))
     report = {"model": model, "policy": args.policy, "block_size": args.block_size,
+              "options": args.options,
               "compiled": not args.eager, "max_tokens": args.max_tokens, "rounds": args.rounds,
+              "prompt_set": args.prompt_set,
               "machine": f"{os.cpu_count()} CPU cores", "categories": list(CATEGORIES),
               "rows": [summarise(side, batch, results) for side in SIDES
                        for batch, results in harness.by_batch(measured[side]).items()]}

@@ -19,6 +19,10 @@ tokens/s is total output tokens over wall time, the median over rounds. Reported
 it: the ratio to autoregressive, exact-match accuracy on all prompts of the run, and rows
 computed per committed token (prompt prefill and block commits included; for
 autoregressive decoding, prompt plus output tokens per output token). JSON and a PNG plot.
+``--prompt-set chat`` runs chat prompts of other kinds instead of the evaluation split's
+(``vllm_diffusion_lab.quality.chat_set``, not scored); ``--ignore-eos`` makes the plugin
+generate ``--max-tokens`` per request too (fixed lengths: the positions after its EOS are
+decoded as well, so this measures the engine, not the answers).
 
 ``--shape large`` runs the fixed configurations on a compute-bound shape instead: a
 random-weight SDAR of 12 layers, hidden 768 (12 query / 4 KV heads of 64), written to
@@ -47,6 +51,12 @@ import harness
 CONFIGS = {
     "autoregressive": None,
     "standard B=4": (4, {"diffusion_policy": "standard"}, {}),
+    # the default model's own default threshold is 0.7 (its config.json); 0.9 is the
+    # published SDAR loop's and the engine's
+    "standard B=4, threshold 0.9": (4, {"diffusion_policy": "standard"}, {"threshold": 0.9}),
+    "standard B=4, threshold 0.8": (4, {"diffusion_policy": "standard"}, {"threshold": 0.8}),
+    "standard B=4, threshold 0.7": (4, {"diffusion_policy": "standard"}, {"threshold": 0.7}),
+    "standard B=8": (8, {"diffusion_policy": "standard"}, {}),
     "standard B=16": (16, {"diffusion_policy": "standard"}, {}),
     "standard B=32": (32, {"diffusion_policy": "standard"}, {}),
     "focus B=32": (32, {"diffusion_policy": "focus"}, {}),
@@ -98,7 +108,8 @@ def open_engine(name: str, model, ar_model, args):
 
 
 def run_batch(llm, name: str, prompts: list, examples, batch: int, min_requests: int,
-              max_tokens: int, lengths: list[int] | None = None) -> dict:
+              max_tokens: int, lengths: list[int] | None = None,
+              ignore_eos: bool = False) -> dict:
     """``lengths``: the autoregressive side's exact output length per request (equal work),
     in submission order; the result's ``lengths`` are this run's, for the next side."""
     from vllm import SamplingParams
@@ -108,9 +119,11 @@ def run_batch(llm, name: str, prompts: list, examples, batch: int, min_requests:
 
     diffusion = CONFIGS[name] is not None
     options = CONFIGS[name][2] if diffusion else {}
-    scored = examples is not None and lengths is None
+    # the plugin stops at EOS (unless --ignore-eos); the AR side takes its lengths
+    natural = examples is not None and lengths is None and not ignore_eos
+    scored = natural and bool(examples[0].answer)  # the chat set has no answers
     params = SamplingParams(temperature=0, max_tokens=max_tokens, extra_args=options or None,
-                            ignore_eos=not scored)
+                            ignore_eos=not natural)
     before = harness.diffusion_counters(llm) if diffusion else None
     tokens = prompt_tokens = correct = done = 0
     produced: list[int] = []
@@ -159,7 +172,7 @@ def measure_config(name: str, args, model, ar_model, examples, workload,
             for batch in args.batch_sizes:
                 lengths = None if target is None else recorded[target][batch]
                 result = run_batch(llm, name, prompts, examples, batch, args.min_requests,
-                                   args.max_tokens, lengths)
+                                   args.max_tokens, lengths, args.ignore_eos)
                 lengths = result.pop("lengths")
                 if target is None and CONFIGS[name] is not None:
                     recorded.setdefault(name, {})[batch] = lengths
@@ -173,6 +186,10 @@ def main() -> None:
                                batch_sizes=[1, 2, 4, 8, 16, 32, 64], rounds=2, max_tokens=96)
     parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
     parser.add_argument("--min-requests", type=int, default=16)
+    harness.add_prompt_set_option(parser)
+    parser.add_argument("--ignore-eos", action="store_true",
+                        help="the plugin generates max_tokens per request too (fixed "
+                             "lengths, not scored); default: it stops at EOS")
     parser.add_argument("--ar-eager", action="store_true")
     parser.add_argument("--plugin-eager", action="store_true",
                         help="the plugin's engines eager (default: vLLM's compilation)")
@@ -193,8 +210,6 @@ def main() -> None:
     harness.engines_in_process()
 
     from vllm_diffusion_lab.bench import autoregressive_copy
-    from vllm_diffusion_lab.quality.corpus import mixed_eval_examples
-
     count = max(args.batch_sizes + [args.min_requests])
     with tempfile.TemporaryDirectory() as tmp:
         if args.shape == "large":
@@ -205,7 +220,7 @@ def main() -> None:
             examples, workload = None, large_workload(vocab, count)
         else:
             model = harness.model_path(args)
-            examples, workload = mixed_eval_examples(count), None
+            examples, workload = harness.workload_examples(args, count), None
         ar_model = autoregressive_copy(pathlib.Path(model), pathlib.Path(tmp))
         # the plugin configurations first in each round: the autoregressive rows take
         # their lengths
@@ -248,6 +263,7 @@ def summarise(cells, args) -> dict:
     return {"machine": f"{os.cpu_count()} CPU cores", "shape": args.shape,
             "equal_work": not args.natural_lengths, "ar_compiled": not args.ar_eager,
             "plugin_compiled": not args.plugin_eager, "max_tokens": args.max_tokens,
+            "prompt_set": args.prompt_set, "ignore_eos": args.ignore_eos,
             "rounds": args.rounds, "rows": rows}
 
 

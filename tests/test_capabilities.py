@@ -107,6 +107,37 @@ def test_families_declare_from_their_configuration():
         model_capabilities(Unknown())
 
 
+def test_a_checkpoint_declares_its_own_unmasking_defaults():
+    """config.json 'diffusion_option_defaults' lies over the family's published settings
+    and under the engine's options; the default model declares the threshold its measured
+    grid chose (benchmarks/RESULTS.md)."""
+    import json
+
+    from vllm_diffusion.config import parse_engine_options
+    from vllm_diffusion.default_model import default_model_path
+    from vllm_diffusion.options import OptionError
+
+    tuned = model_capabilities(SDARConfig(diffusion_option_defaults={"threshold": 0.7}))
+    assert tuned.checkpoint_option_defaults == {"threshold": 0.7}
+
+    def resolved(options, model=tuned):
+        return parse_engine_options(options, config_block_size=4, config_mask_token_id=3,
+                                    vocab_size=64, model=model).policy_config
+    assert resolved({}).threshold == 0.7
+    assert resolved({"threshold": 0.9}).threshold == 0.9  # the published loop's, asked for
+    assert resolved({"diffusion_policy": "ada"})  # a policy without the option ignores it
+    with pytest.raises(OptionError, match="'treshold' is no policy's option"):
+        resolved({}, model_capabilities(SDARConfig(diffusion_option_defaults={
+            "treshold": 0.7})))
+    with pytest.raises(OptionError, match="diffusion_option_defaults.*threshold"):
+        resolved({}, model_capabilities(SDARConfig(diffusion_option_defaults={
+            "threshold": 1.5})))
+    with pytest.raises(ValueError, match="must map option names to values"):
+        model_capabilities(SDARConfig(diffusion_option_defaults=[0.7]))
+    shipped = json.loads((default_model_path() / "config.json").read_text())
+    assert shipped["diffusion_option_defaults"] == {"threshold": 0.7}
+
+
 def test_declared_regimes_the_engine_does_not_serve_are_refused_by_name():
     assert model_refusal(FIXED) is None and model_refusal(MOVING) is None
     assert model_refusal(ModelCapabilities(family="F", attention="full")) is None

@@ -56,6 +56,22 @@ def test_mixed_workload_interleaves_the_families():
     assert set(mixed) <= set(corpus.eval_examples(2))
 
 
+def test_the_chat_set_is_of_other_kinds_than_the_corpus():
+    """The second benchmark workload: distinct prompts, none a corpus prompt or a prompt of
+    the corpus's templates, unscored (empty answers), cycled to any count."""
+    from vllm_diffusion_lab.quality.chat_set import OTHER_KIND_PROMPTS, chat_examples
+
+    assert len(set(OTHER_KIND_PROMPTS)) == len(OTHER_KIND_PROMPTS) == 64
+    corpus_prompts = {e.prompt for e in corpus.train_examples()} | {
+        e.prompt for e in corpus.eval_examples(50)}
+    assert not corpus_prompts & set(OTHER_KIND_PROMPTS)
+    stems = {" ".join(p.split()[:3]) for p in corpus_prompts}
+    assert not stems & {" ".join(p.split()[:3]) for p in OTHER_KIND_PROMPTS}
+    examples = chat_examples(70)
+    assert [e.prompt for e in examples[64:]] == list(OTHER_KIND_PROMPTS[:6])
+    assert all(e.answer == "" and e.family == "chat" for e in examples)
+
+
 def test_unknown_family_and_filler_eval_are_rejected():
     with pytest.raises(ValueError):
         corpus.generate_examples(1, seed=0, families=("poetry",))

@@ -56,6 +56,9 @@ class ModelCapabilities:
     option_defaults: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     # those of its published block loop under Fast-dLLM's caches (above option_defaults)
     cached_option_defaults: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    # unmasking options the checkpoint itself declares, tuned for its weights (config.json
+    # 'diffusion_option_defaults'; above both, below the engine's options)
+    checkpoint_option_defaults: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
     def under_cache(self, cache_mode: str) -> ModelCapabilities:
         """The declaration the engine serves under ``cache_mode``: under Fast-dLLM's caches

@@ -175,6 +175,26 @@ def wants_step_map(extra_args: Mapping[str, Any] | None) -> bool:
         "return_step_map", extra_args["return_step_map"], "request extra_args (vllm_xargs)")
 
 
+def checked_checkpoint_defaults(model: ModelCapabilities, policy: type) -> dict[str, Any]:
+    """The checkpoint's own option defaults (config.json 'diffusion_option_defaults') that
+    ``policy`` takes, their values checked against its rules; a name no policy takes raises
+    ``OptionError`` naming the key (other policies are looked up only in that case)."""
+    declared = model.checkpoint_option_defaults
+    if not declared:
+        return {}
+    source = "config.json 'diffusion_option_defaults'"
+    options = set(option_names(policy.config_cls))
+    taken = {name: value for name, value in declared.items() if name in options}
+    others = set(declared) - set(taken)
+    if others:
+        known = set().union(*(option_names(POLICIES[name].config_cls) for name in POLICIES))
+        if others - known:
+            raise OptionError(f"{source}: {', '.join(map(repr, sorted(others - known)))} "
+                              f"is no policy's option")
+    parse_options(policy.config_cls, taken, source=source)
+    return taken
+
+
 def parse_engine_options(values: Mapping[str, Any], *, config_block_size: int | None,
                          config_mask_token_id: int | None, vocab_size: int,
                          model: ModelCapabilities | None = None
@@ -236,7 +256,8 @@ def parse_engine_options(values: Mapping[str, Any], *, config_block_size: int | 
                           f"the diffusion block size ({block_size}), got {canvas_tokens}")
     check_cache_mode(cache_mode, model, source)
     model = model.under_cache(cache_mode)
-    values = {**{k: v for k, v in model.option_defaults.items() if k in options}, **values}
+    defaults = {**model.option_defaults, **checked_checkpoint_defaults(model, policy)}
+    values = {**{k: v for k, v in defaults.items() if k in options}, **values}
     refuse_unknown(values, {*ENGINE_KEYS, *options}, source, f" for policy {policy_name!r}")
     policy_config = parse_options(policy.config_cls, values, source=source)
     policy_config.validate_for_block(block_size, source)

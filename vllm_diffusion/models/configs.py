@@ -8,6 +8,7 @@ LLaDA2 is the Ling-2.0 (BailingMoeV2) architecture with one; Fast-dLLM v2 is in
 ``llada2_moe`` / ``Fast_dLLM_Qwen`` / ``llada`` / ``Dream`` load without remote code.
 """
 
+import dataclasses
 from typing import Any
 
 from transformers import PretrainedConfig, Qwen3Config, Qwen3MoeConfig
@@ -160,15 +161,28 @@ FAMILY_CAPABILITIES = {
 }
 
 
+# config.json key: unmasking option defaults tuned for these weights, e.g.
+# {"threshold": 0.7} (checked against the options where the engine's options are parsed)
+CHECKPOINT_DEFAULTS_KEY = "diffusion_option_defaults"
+
+
 def model_capabilities(hf_config: Any) -> ModelCapabilities:
-    """The served model's capabilities, as its family declares them; raises ``ValueError``
-    where the checkpoint's configuration contradicts them."""
+    """The served model's capabilities, as its family declares them, with the checkpoint's
+    own option defaults over the family's; raises ``ValueError`` where the checkpoint's
+    configuration contradicts them."""
     model_type = getattr(hf_config, "model_type", None)
     declare = FAMILY_CAPABILITIES.get(model_type)
     if declare is None:
         raise ValueError(f"vllm-diffusion has no model family for model_type "
                          f"{model_type!r}; known: {', '.join(sorted(FAMILY_CAPABILITIES))}")
-    return declare(hf_config)
+    capabilities = declare(hf_config)
+    tuned = getattr(hf_config, CHECKPOINT_DEFAULTS_KEY, None)
+    if tuned is None:
+        return capabilities
+    if not isinstance(tuned, dict) or not all(isinstance(k, str) for k in tuned):
+        raise ValueError(f"config.json '{CHECKPOINT_DEFAULTS_KEY}' must map option names "
+                         f"to values, got {tuned!r}")
+    return dataclasses.replace(capabilities, checkpoint_option_defaults=dict(tuned))
 
 
 def register_hf_configs() -> None:
