@@ -9,6 +9,7 @@
 # transformers, tokenizers and safetensors; no vLLM. Writes at most 8 files under OUT:
 # verify_kernels.{json,log}, {small,large12,control9}.log, small-bf16.safetensors and the
 # small model's float32 weights in two shards (small-f32-{0,1}.safetensors).
+# SMALL_ARGS adds train_llada.py arguments to the small run (e.g. "--family-weight range=4").
 #   OUT=DIR MINUTES=5 EVAL_PER_FAMILY=20 bash training/gpu_llada.sh
 set -u
 : "${OUT:?}" "${MINUTES:=5}" "${EVAL_PER_FAMILY:=20}" "${VERIFY_SECONDS:=150}"
@@ -24,7 +25,7 @@ mkdir -p "$WORK"
 common=(--minutes "$MINUTES" --batch-size 64 --warmup-steps 50 --save-dtype float32
         --checkpoint-minutes 100 --eval-per-family 0 --log-every 50)
 $PY tools/train_llada.py --init checkpoints/llada-small-chat --out "$WORK/small" \
-    --lr 1.5e-4 --seed 7 "${common[@]}" > "$OUT/small.log" 2>&1 &
+    --lr 1.5e-4 --seed 7 "${common[@]}" ${SMALL_ARGS:-} > "$OUT/small.log" 2>&1 &
 $PY tools/train_llada.py --from-sdar checkpoints/sdar-small-chat --out "$WORK/large12" \
     --keep-layers 0 1 2 3 4 5 6 7 8 9 10 11 --lr 3e-4 --seed 1 "${common[@]}" \
     > "$OUT/large12.log" 2>&1 &
