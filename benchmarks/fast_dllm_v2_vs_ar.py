@@ -152,15 +152,9 @@ def main() -> None:
     for name, rounds in measured.items():
         for batch, runs in harness.by_batch(rounds).items():
             ar = statistics.median(r[batch]["tokens_per_s"] for r in measured[AR])
-            tps = statistics.median(r["tokens_per_s"] for r in runs)
             per_step = [r["tokens_per_step"] for r in runs if r["tokens_per_step"]]
-            rows.append({"config": name, "batch_size": batch,
-                         **harness.median_of(runs, "tokens_per_s"),
-                         "ratio_to_autoregressive": harness.ratio(tps, ar),
-                         "output_tokens": statistics.mean(r["output_tokens"] for r in runs),
-                         "tokens_per_step": statistics.mean(per_step) if per_step else None,
-                         "rows_per_committed_token": statistics.mean(
-                             r["rows_per_committed_token"] for r in runs)})
+            rows.append({**harness.speed_row(name, batch, runs, ar),
+                         "tokens_per_step": statistics.mean(per_step) if per_step else None})
     report = {"machine": f"{os.cpu_count()} CPU cores", "compiled": not args.eager,
               "block": args.block,
               "sub_block_size": 8, "threshold": 0.9, "max_tokens": args.max_tokens,
@@ -178,18 +172,7 @@ def main() -> None:
 
 
 def plot(report: dict, path: pathlib.Path) -> None:
-    speed: dict[str, list] = {}
-    rows: dict[str, list] = {}
-    for r in report["rows"]:
-        speed.setdefault(r["config"], []).append((r["batch_size"], r["tokens_per_s"]))
-        rows.setdefault(r["config"], []).append((r["batch_size"],
-                                                 r["rows_per_committed_token"]))
-    dashed = lambda label: label == AR  # noqa: E731
-    harness.plot_panels(path, [
-        harness.Panel(f"Output tokens/s ({report['machine']})", "batch size", "tokens/s",
-                      speed, dashed=dashed),
-        harness.Panel("Rows computed per committed token", "batch size", "rows / token",
-                      rows, dashed=dashed)])
+    harness.plot_speed_and_rows(report, path, dashed=lambda label: label == AR)
 
 
 if __name__ == "__main__":

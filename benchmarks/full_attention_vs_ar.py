@@ -131,13 +131,7 @@ def main() -> None:
             twin = None if name.startswith(AR_AS) else measured[AR_AS + name]
             ar = (None if twin is None else
                   statistics.median(r[batch]["tokens_per_s"] for r in twin))
-            tps = statistics.median(r["tokens_per_s"] for r in runs)
-            rows.append({"config": name, "batch_size": batch,
-                         **harness.median_of(runs, "tokens_per_s"),
-                         "ratio_to_autoregressive": harness.ratio(tps, ar),
-                         "output_tokens": statistics.mean(r["output_tokens"] for r in runs),
-                         "rows_per_committed_token": statistics.mean(
-                             r["rows_per_committed_token"] for r in runs),
+            rows.append({**harness.speed_row(name, batch, runs, ar),
                          "accuracy": (None if runs[0]["accuracy"] is None else
                                       statistics.mean(r["accuracy"] for r in runs))})
     report = {"machine": f"{os.cpu_count()} CPU cores", "llada": args.llada,
@@ -156,18 +150,7 @@ def main() -> None:
 
 
 def plot(report: dict, path: pathlib.Path) -> None:
-    speed: dict[str, list] = {}
-    rows: dict[str, list] = {}
-    for r in report["rows"]:
-        speed.setdefault(r["config"], []).append((r["batch_size"], r["tokens_per_s"]))
-        rows.setdefault(r["config"], []).append((r["batch_size"],
-                                                 r["rows_per_committed_token"]))
-    dashed = lambda label: label.startswith(AR_AS)  # noqa: E731
-    harness.plot_panels(path, [
-        harness.Panel(f"Output tokens/s ({report['machine']})", "batch size", "tokens/s",
-                      speed, dashed=dashed),
-        harness.Panel("Rows computed per committed token", "batch size", "rows / token",
-                      rows, dashed=dashed)])
+    harness.plot_speed_and_rows(report, path, dashed=lambda label: label.startswith(AR_AS))
 
 
 if __name__ == "__main__":

@@ -120,6 +120,20 @@ def ratio(numerator: float | None, denominator: float | None) -> float | None:
     return numerator / denominator if numerator is not None and denominator else None
 
 
+def speed_row(config: str, batch: int, runs: Sequence[dict],
+              ar_tokens_per_s: float | None) -> dict:
+    """The fields every table against autoregressive decoding has, from one
+    configuration's runs at one batch size (each with ``tokens_per_s``, ``output_tokens``
+    and ``rows_per_committed_token``): the median tokens/s and every round's, its ratio to
+    ``ar_tokens_per_s`` (None for an autoregressive row), mean output tokens and rows."""
+    tokens_per_s = statistics.median(r["tokens_per_s"] for r in runs)
+    return {"config": config, "batch_size": batch, **median_of(runs, "tokens_per_s"),
+            "ratio_to_autoregressive": ratio(tokens_per_s, ar_tokens_per_s),
+            "output_tokens": statistics.mean(r["output_tokens"] for r in runs),
+            "rows_per_committed_token": statistics.mean(
+                r["rows_per_committed_token"] for r in runs)}
+
+
 @dataclasses.dataclass
 class Generation:
     """One ``llm.generate`` call timed, with the diffusion counters it moved."""
@@ -189,6 +203,23 @@ class Panel:
     log2_x: bool = True
     reference: float | None = None  # a horizontal line (a ratio of 1, an objective)
     dashed: Callable[[str], bool] = lambda label: False
+
+
+def plot_speed_and_rows(report: dict, path: pathlib.Path,
+                        dashed: Callable[[str], bool]) -> None:
+    """Two charts of ``report["rows"]`` (``speed_row``s) against batch size: output
+    tokens/s, and rows computed per committed token."""
+    speed: dict[str, list] = {}
+    rows: dict[str, list] = {}
+    for r in report["rows"]:
+        speed.setdefault(r["config"], []).append((r["batch_size"], r["tokens_per_s"]))
+        rows.setdefault(r["config"], []).append((r["batch_size"],
+                                                 r["rows_per_committed_token"]))
+    plot_panels(path, [
+        Panel(f"Output tokens/s ({report['machine']})", "batch size", "tokens/s", speed,
+              dashed=dashed),
+        Panel("Rows computed per committed token", "batch size", "rows / token", rows,
+              dashed=dashed)])
 
 
 def plot_panels(path: pathlib.Path, panels: Sequence[Panel], width: float = 5.5) -> None:

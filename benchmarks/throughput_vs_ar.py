@@ -247,19 +247,13 @@ def summarise(cells, args) -> dict:
     rows = []
     for name, by_batch in cells.items():
         for batch, runs in by_batch.items():
-            tps = median_tps(name, batch)
             ar = None
             if CONFIGS.get(name, ()) is not None and not name.startswith(AR_AS):
                 ar = median_tps("autoregressive" if args.natural_lengths else AR_AS + name,
                                 batch)
-            rows.append({"config": name, "batch_size": batch,
-                         **harness.median_of(runs, "tokens_per_s"),
-                         "ratio_to_autoregressive": harness.ratio(tps, ar),
-                         "output_tokens": statistics.mean(r["output_tokens"] for r in runs),
+            rows.append({**harness.speed_row(name, batch, runs, ar),
                          "accuracy": (None if runs[0]["accuracy"] is None
-                                      else statistics.mean(r["accuracy"] for r in runs)),
-                         "rows_per_committed_token": statistics.mean(
-                             r["rows_per_committed_token"] for r in runs)})
+                                      else statistics.mean(r["accuracy"] for r in runs))})
     return {"machine": f"{os.cpu_count()} CPU cores", "shape": args.shape,
             "equal_work": not args.natural_lengths, "ar_compiled": not args.ar_eager,
             "plugin_compiled": not args.plugin_eager, "max_tokens": args.max_tokens,
