@@ -128,33 +128,36 @@ def blocks_of(cases: dict, block: int) -> int:
     return sum(g // block for g, _ in cases.values()) * (len(PROMPTS) + 1)
 
 
+def dual_cache_cases(model, mask_id: int, steps_per_block: int | None = None):
+    """(block, gen_length, prompt, the dual-cache reference's canvas) over the self-checks'
+    grid: blocks 4 and 8, every prompt; one step per position, or ``steps_per_block``."""
+    for block, gen_length in [(4, 16), (8, 24)]:
+        steps = gen_length if steps_per_block is None else steps_per_block * gen_length // block
+        for prompt in PROMPTS.values():
+            yield block, gen_length, prompt, reference_generate_cached(
+                model, prompt, mask_id=mask_id, cache="dual", gen_length=gen_length,
+                block_length=block, steps=steps)
+
+
 def test_the_sparse_reference_keeping_everything_is_the_dual_cache(reference):
     """Self-check of the reference: the whole context kept is Fast-dLLM's dual cache."""
     model, mask_id = reference
     with one_thread():
-        for block, gen_length in [(4, 16), (8, 24)]:
-            for prompt in PROMPTS.values():
-                dual = reference_generate_cached(model, prompt, mask_id=mask_id, cache="dual",
-                                                 gen_length=gen_length, block_length=block,
-                                                 steps=gen_length)
-                assert reference_sparse_dual_generate(
-                    model, prompt, mask_id=mask_id, gen_length=gen_length,
-                    block_length=block, retention_ratio=1.0, pool_kernel=3,
-                    per_kv_head=True) == dual
+        for block, gen_length, prompt, dual in dual_cache_cases(model, mask_id):
+            assert reference_sparse_dual_generate(
+                model, prompt, mask_id=mask_id, gen_length=gen_length,
+                block_length=block, retention_ratio=1.0, pool_kernel=3,
+                per_kv_head=True) == dual
 
 
 def test_the_es_reference_without_skipping_is_the_dual_cache(four_layer_llada):
     """Self-check: nothing skipped is Fast-dLLM's dual cache."""
     _, model, mask_id = four_layer_llada
     with one_thread():
-        for block, gen_length in [(4, 16), (8, 24)]:
-            for prompt in PROMPTS.values():
-                dual = reference_generate_cached(model, prompt, mask_id=mask_id, cache="dual",
-                                                 gen_length=gen_length, block_length=block,
-                                                 steps=gen_length)
-                assert reference_es_dual_generate(
-                    model, prompt, mask_id=mask_id, gen_length=gen_length,
-                    block_length=block, skip_layers=(1, 2), skip_ratio=0.0) == dual
+        for block, gen_length, prompt, dual in dual_cache_cases(model, mask_id):
+            assert reference_es_dual_generate(
+                model, prompt, mask_id=mask_id, gen_length=gen_length,
+                block_length=block, skip_layers=(1, 2), skip_ratio=0.0) == dual
 
 
 def test_the_ada_reference_freezing_everything_is_one_step_per_block(reference):
@@ -162,14 +165,11 @@ def test_the_ada_reference_freezing_everything_is_one_step_per_block(reference):
     cache with one step per block."""
     model, mask_id = reference
     with one_thread():
-        for block, gen_length in [(4, 16), (8, 24)]:
-            for prompt in PROMPTS.values():
-                one_step = reference_generate_cached(
-                    model, prompt, mask_id=mask_id, cache="dual", gen_length=gen_length,
-                    block_length=block, steps=gen_length // block)
-                assert reference_ada_dual_generate(
-                    model, prompt, mask_id=mask_id, gen_length=gen_length,
-                    block_length=block, static_threshold=0.0) == one_step
+        for block, gen_length, prompt, one_step in dual_cache_cases(model, mask_id,
+                                                                    steps_per_block=1):
+            assert reference_ada_dual_generate(
+                model, prompt, mask_id=mask_id, gen_length=gen_length,
+                block_length=block, static_threshold=0.0) == one_step
 
 
 # block -> case -> (gen_length, options): the options go to the engine as the request's
