@@ -84,6 +84,24 @@ def assert_abort_mid_block_frees_kv(llm, params) -> None:
     assert block_pool.get_num_free_blocks() == free_before
 
 
+def token_prompts(prompts):
+    """Token-id prompts as vLLM's ``TokensPrompt``s."""
+    from vllm.inputs import TokensPrompt
+
+    return [TokensPrompt(prompt_token_ids=p) for p in prompts]
+
+
+def assert_batched_and_alone(llm, prompts: dict, params, want: dict, alone: str,
+                             label=None) -> None:
+    """Every prompt of ``prompts`` (name -> token ids) decoded batched, then ``alone`` by
+    itself, gives ``want[name]`` token for token."""
+    batch = llm.generate(token_prompts(prompts.values()), params, use_tqdm=False)
+    for name, output in zip(prompts, batch):
+        assert list(output.outputs[0].token_ids) == want[name], (label, name)
+    single = llm.generate(token_prompts([prompts[alone]]), params, use_tqdm=False)
+    assert list(single[0].outputs[0].token_ids) == want[alone], (label, alone)
+
+
 def assert_dual_cache_preemptions_refresh(checkpoint, prompts: list[list[int]],
                                           engine: dict | None = None,
                                           options: dict | None = None,

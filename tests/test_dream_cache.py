@@ -16,7 +16,8 @@ import pathlib
 
 import pytest
 
-from conftest import assert_dual_cache_preemptions_refresh, diffusion_llm
+from conftest import (assert_batched_and_alone, assert_dual_cache_preemptions_refresh,
+                      diffusion_llm)
 from reference_dream import ReferenceDream, reference_generate_cached
 
 from vllm_diffusion_lab.fixtures.tiny_dream import build_tiny_dream
@@ -46,12 +47,6 @@ def reference(dream_checkpoint):
     return ReferenceDream(dream_checkpoint), mask_id
 
 
-def token_prompts(prompts):
-    from vllm.inputs import TokensPrompt
-
-    return [TokensPrompt(prompt_token_ids=p) for p in prompts]
-
-
 @pytest.mark.parametrize("block", [4, 8])
 @pytest.mark.parametrize("cache", ["prefix", "dual"])
 def test_greedy_equals_fast_dllm_dream_block_loop(dream_checkpoint, reference, cache, block):
@@ -70,11 +65,7 @@ def test_greedy_equals_fast_dllm_dream_block_loop(dream_checkpoint, reference, c
                 model, ids, mask_id=mask_id, cache=cache, max_new_tokens=CANVAS,
                 block_length=block, steps=steps * (CANVAS // block), **rule)
                 for prompt, ids in PROMPTS.items()}
-            batch = llm.generate(token_prompts(PROMPTS.values()), params, use_tqdm=False)
-            for prompt, output in zip(PROMPTS, batch):
-                assert list(output.outputs[0].token_ids) == want[prompt], (name, prompt)
-            alone = llm.generate(token_prompts([PROMPTS["long"]]), params, use_tqdm=False)
-            assert list(alone[0].outputs[0].token_ids) == want["long"], name
+            assert_batched_and_alone(llm, PROMPTS, params, want, "long", name)
         stats = stats_delta(before, llm.collective_rpc("diffusion_stats")[0])
     runs = len(RULES) * (len(PROMPTS) + 1)
     assert stats["kv_refreshes"] == runs * (CANVAS // block), stats

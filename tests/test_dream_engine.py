@@ -17,7 +17,7 @@ import pathlib
 import pytest
 import torch
 
-from conftest import diffusion_llm
+from conftest import diffusion_llm, token_prompts
 from reference_dream import ReferenceDream, reference_generate, transfer_count
 from test_faults import REJECTED
 
@@ -70,12 +70,6 @@ def published(reference, prompt: list[int], case: str, alg: str) -> list[int]:
     model, mask_id = reference
     return reference_generate(model, prompt, mask_id=mask_id, max_new_tokens=CASES[case][0],
                               steps=steps_of(case), alg=alg)
-
-
-def token_prompts(prompts):
-    from vllm.inputs import TokensPrompt
-
-    return [TokensPrompt(prompt_token_ids=p) for p in prompts]
 
 
 def test_the_grid_has_steps_that_transfer_nothing():

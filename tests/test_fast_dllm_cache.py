@@ -11,10 +11,11 @@ abort; the refusals of what the modes do not serve. Dream's block loop:
 from __future__ import annotations
 
 import pytest
-from conftest import assert_dual_cache_preemptions_refresh, diffusion_llm
+from conftest import (assert_batched_and_alone, assert_dual_cache_preemptions_refresh,
+                      diffusion_llm)
 from reference_llada import reference_generate_cached
 from test_full_attention import (GRID, PROMPTS, greedy, llada_checkpoint,  # noqa: F401
-                                 reference, token_prompts)
+                                 reference)
 
 from vllm_diffusion_lab.offline import stats_delta
 
@@ -47,11 +48,7 @@ def test_greedy_equals_fast_dllm(llada_checkpoint, reference, cache, block):
                 model, prompt, mask_id=mask_id, cache=cache, gen_length=gen_length,
                 block_length=block, steps=steps * (gen_length // block))
                 for name, prompt in PROMPTS.items()}
-            batch = llm.generate(token_prompts(PROMPTS.values()), params, use_tqdm=False)
-            for name, output in zip(PROMPTS, batch):
-                assert list(output.outputs[0].token_ids) == want[name], (name, gen_length)
-            alone = llm.generate(token_prompts([PROMPTS["long"]]), params, use_tqdm=False)
-            assert list(alone[0].outputs[0].token_ids) == want["long"]
+            assert_batched_and_alone(llm, PROMPTS, params, want, "long", gen_length)
         stats = stats_delta(before, llm.collective_rpc("diffusion_stats")[0])
     requests = [*PROMPTS.values(), PROMPTS["long"]]
     assert stats["kv_refreshes"] == sum(g // block for g, _ in cases) * len(requests), stats
@@ -82,11 +79,7 @@ def test_threshold_and_factor_rules_equal_fast_dllm(llada_checkpoint, reference,
                 model, ids, mask_id=mask_id, cache="none" if cache == "recompute" else cache,
                 gen_length=16, block_length=8, steps=16, **rule)
                 for prompt, ids in PROMPTS.items()}
-            batch = llm.generate(token_prompts(PROMPTS.values()), params, use_tqdm=False)
-            for prompt, output in zip(PROMPTS, batch):
-                assert list(output.outputs[0].token_ids) == want[prompt], (name, prompt)
-            alone = llm.generate(token_prompts([PROMPTS["long"]]), params, use_tqdm=False)
-            assert list(alone[0].outputs[0].token_ids) == want["long"], name
+            assert_batched_and_alone(llm, PROMPTS, params, want, "long", name)
 
 
 def test_preemption_rebuilds_the_kv_with_a_refresh(llada_checkpoint):

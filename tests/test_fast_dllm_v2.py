@@ -21,7 +21,8 @@ import pathlib
 
 import pytest
 
-from conftest import assert_abort_mid_block_frees_kv, diffusion_llm, watch_preemptions
+from conftest import (assert_abort_mid_block_frees_kv, diffusion_llm, token_prompts,
+                      watch_preemptions)
 from reference_fast_dllm_v2 import ReferenceFastDLLMv2, reference_generate
 from test_faults import REJECTED
 
@@ -77,12 +78,6 @@ def published(reference, prompt: list[int], case: str, stop: int | None = None) 
                              threshold=0.9 if threshold is None else threshold,
                              stop_token=stop)
     return out[:MAX_TOKENS]
-
-
-def token_prompts(prompts):
-    from vllm.inputs import TokensPrompt
-
-    return [TokensPrompt(prompt_token_ids=p) for p in prompts]
 
 
 def test_greedy_equals_the_published_loop(llm, reference):

@@ -9,7 +9,8 @@ import pathlib
 
 import pytest
 
-from conftest import assert_abort_mid_block_frees_kv, diffusion_llm, watch_preemptions
+from conftest import (assert_abort_mid_block_frees_kv, assert_batched_and_alone, diffusion_llm,
+                      token_prompts, watch_preemptions)
 from reference_llada import ReferenceLLaDA, reference_generate
 
 from vllm_diffusion_lab.fixtures.tiny_llada import build_tiny_llada
@@ -51,12 +52,6 @@ def published(reference, prompt, block, gen_length, steps_per_block):
                               steps=steps_per_block * (gen_length // block))
 
 
-def token_prompts(prompts):
-    from vllm.inputs import TokensPrompt
-
-    return [TokensPrompt(prompt_token_ids=p) for p in prompts]
-
-
 @pytest.mark.parametrize("block", [4, 8])
 def test_greedy_equals_the_published_loop(llada_checkpoint, reference, block):
     """Each grid point of the block size: every prompt alone and all of them in one batch
@@ -67,11 +62,7 @@ def test_greedy_equals_the_published_loop(llada_checkpoint, reference, block):
             params = greedy(gen_length, denoising_steps=steps)
             want = {name: published(reference, p, block, gen_length, steps)
                     for name, p in PROMPTS.items()}
-            batch = llm.generate(token_prompts(PROMPTS.values()), params, use_tqdm=False)
-            for name, output in zip(PROMPTS, batch):
-                assert list(output.outputs[0].token_ids) == want[name], (name, gen_length)
-            alone = llm.generate(token_prompts([PROMPTS["short"]]), params, use_tqdm=False)
-            assert list(alone[0].outputs[0].token_ids) == want["short"]
+            assert_batched_and_alone(llm, PROMPTS, params, want, "short", gen_length)
 
 
 def test_output_ends_at_the_first_stop_token(llada_checkpoint, reference):
