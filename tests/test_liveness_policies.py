@@ -51,20 +51,27 @@ def four_layers(tmp_path_factory):
     return build_tiny_sdar(tmp_path_factory.mktemp("sdar-4-layers"), num_layers=4, seed=3)
 
 
+def check_generated_requests(llm, reference, policy: str) -> None:
+    """The property over generated sampling fields and ``policy``'s generated options:
+    each request is refused, or finishes within the step bound, the reference request
+    beside it unchanged (``test_liveness.generate_and_check``)."""
+
+    @settings(max_examples=EXAMPLES, deadline=None, derandomize=True,
+              suppress_health_check=[HealthCheck.too_slow])
+    @given(fields=SURFACE, extra_args=POLICY_OPTIONS[policy])
+    def run(fields, extra_args):
+        generate_and_check(llm, reference, fields, extra_args)
+
+    run()
+
+
 @pytest.mark.parametrize("policy", sorted(POLICY_OPTIONS))
 def test_generated_requests_under_every_policy(four_layers, policy):
     with diffusion_llm(four_layers, diffusion_block_size=BLOCK_SIZE, max_model_len=128,
                        additional_config={"diffusion_policy": policy}) as llm:
         reference = (None if policy == "elastic" else list(
             llm.generate(PROMPT, reference_params(), use_tqdm=False)[0].outputs[0].token_ids))
-
-        @settings(max_examples=EXAMPLES, deadline=None, derandomize=True,
-                  suppress_health_check=[HealthCheck.too_slow])
-        @given(fields=SURFACE, extra_args=POLICY_OPTIONS[policy])
-        def run(fields, extra_args):
-            generate_and_check(llm, reference, fields, extra_args)
-
-        run()
+        check_generated_requests(llm, reference, policy)
 
 
 @pytest.fixture(scope="module")
@@ -88,11 +95,4 @@ def test_generated_requests_on_full_attention_under_the_dual_cache(four_layer_ll
                                           "diffusion_canvas_tokens": 4 * BLOCK_SIZE}) as llm:
         reference = list(
             llm.generate(PROMPT, reference_params(), use_tqdm=False)[0].outputs[0].token_ids)
-
-        @settings(max_examples=EXAMPLES, deadline=None, derandomize=True,
-                  suppress_health_check=[HealthCheck.too_slow])
-        @given(fields=SURFACE, extra_args=POLICY_OPTIONS[policy])
-        def run(fields, extra_args):
-            generate_and_check(llm, reference, fields, extra_args)
-
-        run()
+        check_generated_requests(llm, reference, policy)
