@@ -227,10 +227,11 @@ class AdaPolicy(DecodingPolicy[AdaConfig, AdaState]):
     def traits(cls, options: Mapping[str, Any]) -> PolicyTraits:
         """Without the intra-block cache every step computes the whole block: it decodes
         full-attention models too (under any cache mode: its rule decides commits only)."""
+        intra_block = option_value(cls.config_cls, options, "intra_block_cache")
         return PolicyTraits(
             attention_regimes=("block_causal", "full"),
             partial_blocks=("option 'intra_block_cache' computes part of a block in some "
-                            "forwards; remove it") if option_value(cls.config_cls, options, "intra_block_cache") else None)
+                            "forwards; remove it") if intra_block else None)
 
     def uses_intra_block_cache(self, config: AdaConfig) -> bool:
         if config.intra_block_cache is None:

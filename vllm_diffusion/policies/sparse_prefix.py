@@ -138,7 +138,8 @@ class SparsePrefixPolicy(StrategyPolicy[SparsePrefixConfig, SparsePrefixState]):
     def traits(cls, options: Mapping[str, Any]) -> PolicyTraits:
         """Every forward computes whole blocks (only the attention's keys are selected);
         under full attention it needs the dual cache."""
-        if option_value(cls.config_cls, options, "delay_steps") == 0:  # the block's first step is its refresh
+        # at delay 0 the selecting step is the block's first, its refresh
+        if option_value(cls.config_cls, options, "delay_steps") == 0:
             return PolicyTraits(
                 attention_regimes=("block_causal", "full"), cache_modes=(),
                 cache_modes_reason=(

@@ -229,7 +229,8 @@ def batched_factor_count(ranked: torch.Tensor, num_masked: torch.Tensor,
     block = ranked.shape[1]
     index = torch.arange(block)
     bar = 1.0 - factor.double()[:, None] / (index[None, :] + 2)  # [R, B]
-    fails = (ranked.double() < bar) & (index[None, :] >= 1) & (index[None, :] < num_masked[:, None])
+    fails = ((ranked.double() < bar) & (index[None, :] >= 1)
+             & (index[None, :] < num_masked[:, None]))  # [R, B]
     first = torch.where(fails, index[None, :], block).min(dim=1).values  # [R]
     return torch.where(first >= num_masked - 1, num_masked, first)
 
