@@ -1,6 +1,8 @@
 """The runner's per-step host components, each timed on its own (pytest-benchmark), at
 batch 1 and 64 with the default shape (block 4, the embedded model's vocabulary of 1,024):
-planning, the step's model inputs, proposals, the commit choice and output building. A
+planning, the step's model inputs, the CPU attention's step plan, the denoised blocks
+after the forward, proposals, their scatter onto the host grid, the commit choice and
+output building. A
 regression in one of them shows here even when the step's total hides it.
 
     .venv/bin/python -m pytest benchmarks/host_components.py --benchmark-only \
@@ -19,8 +21,10 @@ from vllm_diffusion.step.plans import CommitBatch
 from vllm_diffusion.step.request import DiffusionRequest
 from vllm_diffusion.worker.geometry import BlockGeometry
 from vllm_diffusion.worker.proposal import ProposalPipeline
-from vllm_diffusion.worker.step_plan import (decode_steps, emit_final_tokens, plan_request,
-                                             step_inputs, truncate_at_stop)
+from vllm_diffusion.worker.proposal_grid import scatter_to_host
+from vllm_diffusion.worker.step_plan import (decode_steps, denoised_blocks, emit_final_tokens,
+                                             forward_step, plan_request, step_inputs,
+                                             truncate_at_stop)
 
 BLOCK, VOCAB, MASK, PAGE = 4, 1024, 3, 16
 PROMPT, OUTPUT = 90, 21  # tokens a request knows mid-generation
@@ -61,6 +65,39 @@ def test_step_inputs(benchmark, batch, policy):
     rows = plan_all(make_requests(batch, policy), policy, BlockGeometry(BLOCK))
     pages = [list(range(10 * i, 10 * i + 8)) for i in range(batch)]
     benchmark(step_inputs, rows, pages, PAGE)
+
+
+@pytest.mark.parametrize("batch", BATCHES)
+def test_attention_plan(benchmark, batch, policy):
+    """The CPU attention's segments and vLLM's work split, once per step."""
+    from vllm_diffusion.attention.cpu_attention import plan_segments
+
+    rows = plan_all(make_requests(batch, policy), policy, BlockGeometry(BLOCK))
+    pages = [list(range(10 * i, 10 * i + 8)) for i in range(batch)]
+    inputs = step_inputs(rows, pages, PAGE)
+    kv_cache = torch.zeros(10 * batch, 2, PAGE, 2 * 64)
+    benchmark(plan_segments, inputs.positions, inputs.query_start_loc, inputs.kv_lens,
+              inputs.block_table, BLOCK, 4, kv_cache)
+
+
+@pytest.mark.parametrize("batch", BATCHES)
+def test_denoised_blocks(benchmark, batch, policy):
+    rows = plan_all(make_requests(batch, policy), policy, BlockGeometry(BLOCK))
+    step = forward_step(rows, torch.device("cpu"))
+    benchmark(denoised_blocks, rows, step, torch.arange(step.num_rows))
+
+
+@pytest.mark.parametrize("batch", BATCHES)
+def test_scatter_to_host(benchmark, batch):
+    from vllm_diffusion.worker.proposal import Proposals
+
+    gen = torch.Generator().manual_seed(2)
+    n = batch * BLOCK
+    proposed = Proposals(torch.randint(8, VOCAB, (n,), generator=gen),
+                         torch.rand(n, generator=gen), invalid=torch.zeros(n, dtype=torch.int8))
+    where = torch.stack([torch.arange(batch).repeat_interleave(BLOCK),
+                         torch.arange(BLOCK).repeat(batch)], 1)
+    benchmark(scatter_to_host, proposed, where, batch, BLOCK, MASK)
 
 
 @pytest.mark.parametrize("batch", BATCHES)

@@ -66,6 +66,9 @@ def test_one_plan_serves_every_layer_of_a_step(case):
         want = block_causal_attention(layer_query, layer_cache, *first[2:])
         torch.testing.assert_close(attend_padded(layer_query, layer_cache, plan, scale).float(),
                                    want.float(), rtol=tolerance, atol=tolerance)
+        into = torch.zeros_like(layer_query)  # the layer's output buffer
+        assert attend_padded(layer_query, layer_cache, plan, scale, into) is into
+        torch.testing.assert_close(into.float(), want.float(), rtol=tolerance, atol=tolerance)
 
 
 @pytest.mark.parametrize("name", GRID)

@@ -47,6 +47,21 @@ def test_one_segment_plan_serves_every_layer_of_a_step(case):
         torch.testing.assert_close(attend_segments(layer_query, layer_cache, plan,
                                                    scale).float(),
                                    want.float(), rtol=tolerance(case), atol=tolerance(case))
+        # into the layer's output buffer: its first rows (the step's; padding rows after
+        # them untouched), and a strided one
+        buffer = torch.full((len(layer_query) + 3, *layer_query.shape[1:]), 7.0,
+                            dtype=layer_query.dtype)
+        written = attend_segments(layer_query, layer_cache, plan, scale,
+                                  buffer[:len(layer_query)])
+        assert written.data_ptr() == buffer.data_ptr()
+        torch.testing.assert_close(buffer[:len(layer_query)].float(), want.float(),
+                                   rtol=tolerance(case), atol=tolerance(case))
+        assert bool((buffer[len(layer_query):] == 7.0).all())
+        strided = torch.zeros(*layer_query.shape[:2], 2 * layer_query.shape[2],
+                              dtype=layer_query.dtype)[..., ::2]
+        attend_segments(layer_query, layer_cache, plan, scale, strided)
+        torch.testing.assert_close(strided.float(), want.float(), rtol=tolerance(case),
+                                   atol=tolerance(case))
 
 
 def test_split_pages_hold_what_was_written():

@@ -21,7 +21,8 @@ from vllm_diffusion.policies.timestep_schedule import (SCHEDULE_RANKINGS, timest
                                                        timesteps)
 from vllm_diffusion.policies.entropy_bounded import (ENTROPY_BOUNDED_ORDERS,
                                                      entropy_bounded_commits)
-from vllm_diffusion.policies.unmasking import STRATEGIES, batched_choose_commits, choose_commits
+from vllm_diffusion.policies.batched_commits import batched_choose_commits
+from vllm_diffusion.policies.unmasking import STRATEGIES, choose_commits
 from vllm_diffusion.step.plans import CommitBatch
 from vllm_diffusion.step.hooks import LayerInput
 from vllm_diffusion.step.plans import BlockStepPlan
@@ -151,12 +152,15 @@ COMMIT_GRID = {"b1": (6, 1, 0), "b4": (24, 4, 1), "b16": (24, 16, 2), "b32": (16
                "b20": (12, 20, 4)}
 
 
+@pytest.mark.parametrize("alone", [None, *STRATEGIES])
 @pytest.mark.parametrize("name", COMMIT_GRID)
-def test_batched_commit_choice_matches_the_per_block_reference(name):
+def test_batched_commit_choice_matches_the_per_block_reference(name, alone):
+    """Every strategy mixed in one batch (``alone`` None), and each strategy alone (the
+    engine's common step, which computes only that strategy's rule)."""
     rows, block, seed = COMMIT_GRID[name]
     confidence, masked, gen = random_blocks(seed, rows, block)
     configs = [StandardConfig(
-        strategy=STRATEGIES[i % len(STRATEGIES)], threshold=[0.0, 0.5, 0.9, 1.0][i % 4],
+        strategy=alone or STRATEGIES[i % len(STRATEGIES)], threshold=[0.0, 0.5, 0.9, 1.0][i % 4],
         entropy_bound=[0.0, 0.3, 1.5, 100.0][i % 4],
         denoising_steps=None if i % 3 else max(1, block // 2),
         # the schedule ranks by both algs, and the EB-sampler takes both orders, where
@@ -199,7 +203,8 @@ def published_factor_count(sorted_confidence: list[float], factor: float) -> int
 
 
 def test_factor_count_is_the_published_dynamic_rule():
-    from vllm_diffusion.policies.unmasking import batched_factor_count, factor_count
+    from vllm_diffusion.policies.batched_commits import batched_factor_count
+    from vllm_diffusion.policies.unmasking import factor_count
 
     gen = torch.Generator().manual_seed(5)
     for m in range(1, 12):

@@ -226,8 +226,8 @@ class BlockDiffusionAttentionImpl(AttentionImpl[BlockDiffusionMetadata]):
                     query[:n], kv_cache, view.query_positions, view.query_start_loc,
                     view.kv_lens, block_table, block_size, self.scale)
             elif view.attention_plan is not None:
-                output[:n] = self.cpu_attention[1](query[:n], kv_cache, view.attention_plan,
-                                                   self.scale)
+                self.cpu_attention[1](query[:n], kv_cache, view.attention_plan, self.scale,
+                                      output[:n])
             else:
                 output[:n] = self.cpu_dense(query[:n], kv_cache, view.query_positions,
                                             view.query_start_loc, view.kv_lens, block_table,

@@ -53,26 +53,33 @@ def plan_segments(query_positions: torch.Tensor, query_start_loc: list[int],
                   num_heads: int, kv_cache: torch.Tensor) -> SegmentPlan:
     """The segments of a step's rows (positions [T], R + 1 row offsets, R key counts,
     [R, max_pages] pages) for a cache [num_pages, H_kv, page_size, 2D]."""
-    counts = torch.tensor([b - a for a, b in zip(query_start_loc[:-1], query_start_loc[1:])])
+    # A few rows per request: the segments are found in Python (one host read of the
+    # positions), not by a dozen small tensor ops.
+    positions = query_positions.tolist()
+    starts: list[int] = []  # first row of each segment
+    seq_lens: list[int] = []  # keys each segment sees
+    segment_request: list[int] = []
+    for request, (first, end) in enumerate(zip(query_start_loc[:-1], query_start_loc[1:])):
+        block = None
+        for row in range(first, end):
+            if positions[row] // diffusion_block_size != block:
+                block = positions[row] // diffusion_block_size
+                starts.append(row)
+                seq_lens.append(min(kv_lens[request], (block + 1) * diffusion_block_size))
+                segment_request.append(request)
     num_rows = int(query_start_loc[-1])
-    request = torch.repeat_interleave(torch.arange(len(kv_lens)), counts)  # [T]
-    block = query_positions.cpu() // diffusion_block_size  # [T]
-    starts = torch.ones(num_rows, dtype=torch.bool)
-    starts[1:] = (request[1:] != request[:-1]) | (block[1:] != block[:-1])
-    first_rows = torch.nonzero(starts).flatten()  # [S]
-    segment_request = request[first_rows]
-    seq_lens = torch.minimum(torch.tensor(kv_lens)[segment_request],
-                             (block[first_rows] + 1) * diffusion_block_size)
-    loc = torch.cat([first_rows, torch.tensor([num_rows])]).to(torch.int32)
-    seq_lens = seq_lens.to(torch.int32)
+    loc = torch.tensor([*starts, num_rows], dtype=torch.int32)
+    seq_lens = torch.tensor(seq_lens, dtype=torch.int32)
+    pages = block_table.cpu().to(torch.int32)
+    if segment_request != list(range(len(kv_lens))):  # a request with several segments
+        pages = pages[torch.tensor(segment_request, dtype=torch.long)]
     _, num_kv_heads, page_size, two_d = kv_cache.shape
     metadata = ops.cpu_attn_get_scheduler_metadata(
-        num_reqs=len(first_rows), num_heads=num_heads, num_kv_heads=num_kv_heads,
+        num_reqs=len(starts), num_heads=num_heads, num_kv_heads=num_kv_heads,
         head_dim=two_d // 2, seq_lens=seq_lens, dtype=kv_cache.dtype, query_start_loc=loc,
         causal=False, sliding_window_size=-1, isa=portable_isa(page_size),
         enable_kv_split=False)
-    return SegmentPlan(loc, seq_lens, block_table.cpu()[segment_request].to(torch.int32),
-                       metadata, num_rows)
+    return SegmentPlan(loc, seq_lens, pages, metadata, num_rows)
 
 
 def write_kv_with_vllm(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -98,9 +105,14 @@ def _vllm_cache_halves(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
 
 
 def attend_segments(query: torch.Tensor, kv_cache: torch.Tensor, plan: SegmentPlan,
-                    scale: float) -> torch.Tensor:
-    """One layer's attention of the planned rows. query: [T, H, D]; returns [T, H, D]."""
-    output = torch.empty_like(query)
+                    scale: float, output: torch.Tensor | None = None) -> torch.Tensor:
+    """One layer's attention of the planned rows. query: [T, H, D]; returns [T, H, D],
+    written into ``output`` where given."""
+    if output is not None and not output.is_contiguous():  # the kernel writes rows densely
+        output.copy_(attend_segments(query, kv_cache, plan, scale))
+        return output
+    if output is None:
+        output = torch.empty_like(query)
     if plan.num_rows == 0:
         return output
     key_cache, value_cache = _vllm_cache_halves(kv_cache)

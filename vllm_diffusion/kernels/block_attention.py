@@ -189,13 +189,16 @@ def _plan_run(rows: torch.Tensor | None, query_positions: torch.Tensor, counts: 
 
 
 def attend_padded(query: torch.Tensor, kv_cache: torch.Tensor, plan: PaddedPlan,
-                  scale: float) -> torch.Tensor:
-    """One layer's attention of the planned rows. query: [T, H, D]; returns [T, H, D]."""
+                  scale: float, output: torch.Tensor | None = None) -> torch.Tensor:
+    """One layer's attention of the planned rows. query: [T, H, D]; returns [T, H, D],
+    written into ``output`` where given."""
+    if output is None:
+        output = torch.empty_like(query)
     if plan.num_rows == 0:
-        return torch.empty_like(query)
+        return output
     if len(plan.runs) == 1 and plan.runs[0].rows is None:
-        return _attend_run(query, kv_cache, plan.runs[0], scale)
-    output = torch.empty_like(query)
+        output.copy_(_attend_run(query, kv_cache, plan.runs[0], scale))
+        return output
     for run in plan.runs:
         output[run.rows] = _attend_run(query[run.rows], kv_cache, run, scale)
     return output

@@ -20,8 +20,8 @@ from vllm_diffusion.policies.joint_editing import (ALTERNATIVES, EditTokens, Joi
                                                    JointStep, joint_step)
 from vllm_diffusion.policies.timestep_schedule import (SCHEDULE_RANKINGS,
                                                        batched_timestep_quota)
-from vllm_diffusion.policies.unmasking import (STRATEGIES, StrategyConfig, active_sub_block,
-                                               batched_choose_commits)
+from vllm_diffusion.policies.batched_commits import active_sub_block, batched_choose_commits
+from vllm_diffusion.policies.unmasking import STRATEGIES, StrategyConfig
 from vllm_diffusion.step.plans import CommitBatch, EditBatch
 from vllm_diffusion.step.request import DiffusionRequest
 

@@ -38,10 +38,9 @@ import torch
 
 from vllm_diffusion.options import OptionError, Rule, option
 from vllm_diffusion.policies.base import PolicyConfig
-from vllm_diffusion.policies.entropy_bounded import ENTROPY_BOUNDED_ORDERS, entropy_bounded_commits
+from vllm_diffusion.policies.entropy_bounded import ENTROPY_BOUNDED_ORDERS
 from vllm_diffusion.policies.timestep_schedule import (SCHEDULE_RANKINGS, UNSERVED_ALGS,
-                                                       batched_timestep_quota,
-                                                       schedule_score, timestep_quota)
+                                                       timestep_quota)
 
 STRATEGIES = ("low_confidence_dynamic", "low_confidence_static", "sequential", "threshold",
               "entropy_bounded", "timestep_schedule", "factor")
@@ -145,7 +144,7 @@ def choose_commits(confidence: torch.Tensor, masked: torch.Tensor, step: int,
                    block_size: int, config: StrategyConfig,
                    entropy: torch.Tensor | None = None) -> torch.Tensor:
     """Which positions of one block to commit this step (the plain reference of
-    ``batched_choose_commits``).
+    ``batched_commits.batched_choose_commits``).
 
     confidence: [B] float, the probability of each position's proposed token.
     masked:     [B] bool, positions still holding the mask token.
@@ -220,101 +219,3 @@ def factor_count(ranked: torch.Tensor, factor: float) -> int:
         if float(ranked[index]) < 1.0 - factor / (index + 2):
             return m if index == m - 1 else index
     return m
-
-
-def batched_factor_count(ranked: torch.Tensor, num_masked: torch.Tensor,
-                         factor: torch.Tensor) -> torch.Tensor:
-    """``factor_count`` for R blocks: ranked [R, B] confidences in descending order
-    (masked positions first), num_masked [R], factor [R] float; returns [R] int64."""
-    block = ranked.shape[1]
-    index = torch.arange(block)
-    bar = 1.0 - factor.double()[:, None] / (index[None, :] + 2)  # [R, B]
-    fails = ((ranked.double() < bar) & (index[None, :] >= 1)
-             & (index[None, :] < num_masked[:, None]))  # [R, B]
-    first = torch.where(fails, index[None, :], block).min(dim=1).values  # [R]
-    return torch.where(first >= num_masked - 1, num_masked, first)
-
-
-def active_sub_block(masked: torch.Tensor, sub_block_size: torch.Tensor) -> torch.Tensor:
-    """[R, B] bool: the masked positions in each block's leftmost sub-block holding one
-    (``masked`` [R, B] bool; ``sub_block_size`` [R] int64, the block size where a block
-    has no sub-blocks). A block with no masked position keeps none."""
-    block = masked.shape[1]
-    positions = torch.arange(block)
-    first = torch.where(masked, positions, block).min(dim=1).values  # [R]
-    sub_block = positions[None, :] // sub_block_size[:, None]  # [R, B]
-    return masked & (sub_block == (first // sub_block_size)[:, None])
-
-
-def batched_choose_commits(confidence: torch.Tensor, masked: torch.Tensor,
-                           steps_taken: torch.Tensor, steps_allowed: torch.Tensor,
-                           strategy: torch.Tensor, threshold: torch.Tensor,
-                           entropy: torch.Tensor | None = None,
-                           entropy_bound: torch.Tensor | None = None,
-                           eps: torch.Tensor | None = None,
-                           alg: torch.Tensor | None = None,
-                           entropy_bounded_by_confidence: torch.Tensor | None = None,
-                           factor: torch.Tensor | None = None) -> torch.Tensor:
-    """``choose_commits`` for R blocks at once (the engine's path; tested against it).
-
-    confidence, masked: [R, B]; steps_taken (the block's step), steps_allowed (its
-    ``steps_for``), strategy (index into ``STRATEGIES``): [R] int64; threshold: [R] float;
-    entropy: [R, B] and entropy_bound: [R] float (needed where a block uses
-    ``entropy_bounded``, with entropy_bounded_by_confidence: [R] bool, the blocks whose
-    ``entropy_bounded_order`` is ``confidence``); eps: [R] float64 and alg: [R] int64 (an
-    index into ``SCHEDULE_RANKINGS``) where a block uses ``timestep_schedule`` (with
-    entropy where its alg is ``entropy``); factor: [R] float where a block uses
-    ``factor``.
-    """
-    num_rows, block = masked.shape
-    num_masked = masked.sum(dim=1)
-    base, extra = block // steps_allowed, block % steps_allowed
-    quota = torch.where(steps_taken >= steps_allowed, torch.full_like(base, block),
-                        base + (steps_taken < extra).long())
-    quota = torch.minimum(quota, num_masked)[:, None]  # [R, 1]
-    conf = torch.where(masked, confidence, torch.full_like(confidence, float("-inf")))
-    order = torch.sort(conf, dim=1, descending=True, stable=True).indices
-    rank = torch.empty_like(order).scatter_(
-        1, order, torch.arange(block).expand(num_rows, block).contiguous())
-    top = (rank < quota) & masked
-    sequential = masked & (masked.cumsum(dim=1) <= quota)
-    above = masked & (confidence > threshold[:, None])
-    dynamic = torch.where((above.sum(dim=1, keepdim=True) >= quota), above, top)
-    last_step = (steps_taken >= steps_allowed - 1)[:, None]
-    by_threshold = torch.where(
-        last_step, masked, (masked & (confidence >= threshold[:, None])) | ((rank < 1) & masked))
-    if bool((strategy == STRATEGIES.index("entropy_bounded")).any()):
-        if entropy is None or entropy_bound is None or entropy_bounded_by_confidence is None:
-            raise ValueError("the entropy_bounded strategy needs each proposal's entropy, "
-                             "and each block's entropy_bound and order")
-        entropy_bounded = torch.where(last_step, masked, entropy_bounded_commits(
-            confidence, masked, entropy, entropy_bound, entropy_bounded_by_confidence))
-    else:
-        entropy_bounded = torch.zeros_like(masked)
-    scheduled = strategy == STRATEGIES.index("timestep_schedule")  # [R]
-    if bool(scheduled.any()):
-        if eps is None or alg is None:
-            raise ValueError("the timestep_schedule strategy needs each block's eps and "
-                             "alg")
-        scheduled_count = batched_timestep_quota(num_masked, steps_taken, steps_allowed,
-                                                 eps, scheduled)[:, None]  # [R, 1]
-        score = schedule_score(confidence, entropy, torch.where(scheduled, alg, 0))
-        score = torch.where(masked, score, torch.full_like(score, float("-inf")))
-        by_score = torch.sort(score, dim=1, descending=True, stable=True).indices
-        score_rank = torch.empty_like(by_score).scatter_(
-            1, by_score, torch.arange(block).expand(num_rows, block).contiguous())
-        timestep = (score_rank < scheduled_count) & masked
-    else:
-        timestep = torch.zeros_like(masked)
-    if bool((strategy == STRATEGIES.index("factor")).any()):
-        if factor is None:
-            raise ValueError("the factor strategy needs each block's factor")
-        ranked = conf.gather(1, order)  # [R, B] descending, masked first
-        count = batched_factor_count(ranked, num_masked, factor)[:, None]
-        by_factor = torch.where(last_step, masked, (rank < count) & masked)
-    else:
-        by_factor = torch.zeros_like(masked)
-    choices = torch.stack([dynamic, top, sequential, by_threshold,
-                           entropy_bounded, timestep, by_factor])  # STRATEGIES order
-    return choices[strategy, torch.arange(num_rows)]
-

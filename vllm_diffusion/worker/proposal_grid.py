@@ -10,6 +10,7 @@ together in one copy, as float64, which holds every token id exactly.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import torch
 
@@ -47,23 +48,37 @@ def scatter_to_host(proposed: Proposals, where: torch.Tensor, num_blocks: int,
     table = host[:len(columns) * n].view(len(columns), n)
     block, position = where[:, 0], where[:, 1]
     shape = (num_blocks, block_size)
-    grid = ProposalGrid(torch.full(shape, mask_token_id, dtype=torch.long),
-                        torch.full(shape, float("-inf")), torch.zeros(shape, dtype=torch.bool))
-    grid.tokens[block, position] = table[0].long()
-    grid.confidence[block, position] = table[1].float()
-    grid.computed[block, position] = True
-    grid.invalid = torch.zeros(shape, dtype=torch.int8)
-    grid.invalid[block, position] = table[2].to(torch.int8)
+    # every position of every block, in order (the common step): the columns are the grid
+    dense = n == num_blocks * block_size and torch.equal(where, _whole_grid(*shape))
+
+    def place(values: torch.Tensor, fill: float, dtype: torch.dtype) -> torch.Tensor:
+        """[R, B, ...] of ``values`` ([n, ...]) at the proposals' places, ``fill``
+        elsewhere."""
+        if dense:
+            return values.to(dtype).reshape(*shape, *values.shape[1:])
+        grid = torch.full((*shape, *values.shape[1:]), fill, dtype=dtype)
+        grid[block, position] = values.to(dtype)
+        return grid
+
+    grid = ProposalGrid(place(table[0], mask_token_id, torch.long),
+                        place(table[1], float("-inf"), torch.float32),
+                        place(torch.ones(n, dtype=torch.bool), False, torch.bool),
+                        place(table[2], 0, torch.int8))
     if proposed.entropy is not None:
-        grid.entropy = torch.zeros(shape)
-        grid.entropy[block, position] = table[3].float()
+        grid.entropy = place(table[3], 0.0, torch.float32)
     if proposed.ranked is not None:
         width = proposed.ranked.shape[1]
-        grid.ranked = torch.zeros(*shape, width, dtype=torch.long)
-        grid.ranked[block, position] = table[len(columns) - width:].T.long()
+        grid.ranked = place(table[len(columns) - width:].T, 0, torch.long)
     if proposed.logprobs is not None:
         width = proposed.logprobs.shape[1]
         asking = torch.tensor(asks_logprobs, dtype=torch.bool)[block]
         grid.logprobs = torch.zeros(*shape, width, dtype=torch.float64)
         grid.logprobs[block[asking], position[asking]] = host[len(columns) * n:].view(-1, width)
     return grid
+
+
+@functools.lru_cache(maxsize=256)
+def _whole_grid(num_blocks: int, block_size: int) -> torch.Tensor:
+    """[R * B, 2] int64: every (block, position) pair in order (shared, never written)."""
+    blocks = torch.arange(num_blocks).repeat_interleave(block_size)
+    return torch.stack([blocks, torch.arange(block_size).repeat(num_blocks)], 1)

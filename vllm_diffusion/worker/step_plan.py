@@ -193,18 +193,21 @@ class StepInputs:
 def step_inputs(rows: list[RequestRows], page_ids: list[list[int]],
                 page_size: int) -> StepInputs:
     """The inputs of the planned ``rows``; ``page_ids[r]``: request r's KV pages."""
-    positions = torch.tensor([p for r in rows for p in r.positions], dtype=torch.long)
+    # A few rows per request: built as lists and made tensors once each.
+    positions = [p for r in rows for p in r.positions]
+    slots = [pages[p // page_size] * page_size + p % page_size
+             for r, pages in zip(rows, page_ids) for p in r.positions]
+    width = max((len(pages) for pages in page_ids), default=0)
+    table = [[*pages, *[0] * (width - len(pages))] for pages in page_ids]
+    query_start_loc = [0]
+    for r in rows:
+        query_start_loc.append(query_start_loc[-1] + len(r.positions))
     # int32 as vLLM's own runners pass them: a compiled forward is traced once, with
     # guards dropped, for the dtype its warm-up saw (int64 ids would be misread).
     token_ids = torch.tensor([t for r in rows for t in r.token_ids], dtype=torch.int32)
-    table = torch.nn.utils.rnn.pad_sequence(
-        [torch.tensor(pages, dtype=torch.long) for pages in page_ids], batch_first=True)
-    counts = [len(r.positions) for r in rows]
-    row_request = torch.repeat_interleave(torch.arange(len(rows)), torch.tensor(counts))
-    slots = table[row_request, positions // page_size] * page_size + positions % page_size
-    query_start_loc = [0]
-    for count in counts:
-        query_start_loc.append(query_start_loc[-1] + count)
+    positions = torch.tensor(positions, dtype=torch.long)
+    slots = torch.tensor(slots, dtype=torch.long)
+    table = torch.tensor(table, dtype=torch.long).view(len(page_ids), width)
     return StepInputs(token_ids, positions, slots, table, query_start_loc,
                       [r.kv_len for r in rows])
 
@@ -240,16 +243,21 @@ def denoised_blocks(rows: list[RequestRows], step: ForwardStep, out_rows: torch.
                     ) -> tuple[list[DenoisedBlock], torch.Tensor, torch.Tensor]:
     """The step's blocks and, over all their rows that reached the model output (in
     request order): each row's output index and its (block, position) pair [n, 2]."""
-    output_index = torch.full((step.num_rows,), -1, dtype=torch.long)
-    output_index[out_rows] = torch.arange(len(out_rows))
     entries = [(r, s) for r, s in zip(rows, step.requests) if r.request is not None]
     if not entries:
         return [], torch.empty(0, dtype=torch.long), torch.empty(0, 2, dtype=torch.long)
-    index = output_index[torch.cat([s.block_rows for _, s in entries])]
-    block_of = torch.repeat_interleave(torch.arange(len(entries)), torch.tensor(
-        [len(s.block_positions) for _, s in entries]))
-    where = torch.stack([block_of, torch.cat([s.block_positions for _, s in entries])], 1)
-    alive = index >= 0
-    counts = torch.bincount(block_of[alive], minlength=len(entries)).tolist()
-    blocks = [DenoisedBlock(r, n) for (r, _), n in zip(entries, counts)]
-    return blocks, index[alive], where[alive]
+    # A few rows per block: mapped in Python, made tensors once.
+    output_index = [-1] * step.num_rows  # step row -> its row of the output
+    for output_row, step_row in enumerate(out_rows.tolist()):
+        output_index[step_row] = output_row
+    blocks, index, where = [], [], []
+    for block, (r, s) in enumerate(entries):
+        count = 0
+        for step_row, position in zip(s.block_rows.tolist(), s.block_positions.tolist()):
+            if output_index[step_row] >= 0:
+                index.append(output_index[step_row])
+                where.append((block, position))
+                count += 1
+        blocks.append(DenoisedBlock(r, count))
+    return (blocks, torch.tensor(index, dtype=torch.long),
+            torch.tensor(where, dtype=torch.long).view(len(where), 2))
