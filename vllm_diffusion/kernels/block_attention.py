@@ -192,12 +192,12 @@ def attend_padded(query: torch.Tensor, kv_cache: torch.Tensor, plan: PaddedPlan,
                   scale: float, output: torch.Tensor | None = None) -> torch.Tensor:
     """One layer's attention of the planned rows. query: [T, H, D]; returns [T, H, D],
     written into ``output`` where given."""
+    if len(plan.runs) == 1 and plan.runs[0].rows is None and plan.num_rows:
+        attended = _attend_run(query, kv_cache, plan.runs[0], scale)  # one run: all rows
+        return attended if output is None else output.copy_(attended)
     if output is None:
         output = torch.empty_like(query)
     if plan.num_rows == 0:
-        return output
-    if len(plan.runs) == 1 and plan.runs[0].rows is None:
-        output.copy_(_attend_run(query, kv_cache, plan.runs[0], scale))
         return output
     for run in plan.runs:
         output[run.rows] = _attend_run(query[run.rows], kv_cache, run, scale)
