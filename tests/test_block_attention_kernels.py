@@ -77,6 +77,22 @@ def test_triton_kernel_matches_torch_reference(errors, name):
     assert errors[name] <= tolerance
 
 
+@pytest.mark.parametrize("dtype,longest_tile", [(torch.bfloat16, 64), (torch.float32, 32)])
+def test_tiles_cover_every_row_once_within_its_request(dtype, longest_tile):
+    """The Triton kernels' tiles: rows of one request each, every row in exactly one."""
+    query_start_loc, kv_lens = [0, 100, 100, 104, 140, 141], [100, 7, 40, 80, 9]
+    tiles, num_tiles, block_m = kernel_module().plan_tiles(query_start_loc, kv_lens, "cpu",
+                                                           dtype)
+    assert block_m == longest_tile and tiles.shape == (4, num_tiles)
+    covered = []
+    for request, first, end, kv_len in tiles.T.tolist():
+        assert query_start_loc[request] <= first < end <= query_start_loc[request + 1]
+        assert end - first <= block_m and kv_len == kv_lens[request]
+        covered += range(first, end)
+    assert covered == list(range(141))
+    assert kernel_module().plan_tiles([0, 4, 8], [8, 8], "cpu", dtype)[2] == 16
+
+
 if __name__ == "__main__":
     print(json.dumps(max_errors("cpu")))
 

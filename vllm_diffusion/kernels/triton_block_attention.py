@@ -2,92 +2,164 @@
 
 Same signature and semantics as ``block_attention.block_causal_attention``; tests compare
 the two on a named grid of shapes (on CPU through ``TRITON_INTERPRET=1``). One program per
-(query row, head) streams the visible keys of its request page by page with an online
-softmax; the KV cache may have any strides (vLLM's layouts).
+(tile of up to ``BLOCK_M`` query rows of one request, head) streams the keys visible to
+any row of its tile page by page, ``BLOCK_N`` at a time, with an online softmax; scores
+and the weighted values are matrix products (tensor cores), each key tile read once for
+the tile's rows. The KV cache may have any strides (vLLM's layouts).
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 import triton
 import triton.language as tl
 
+TILE_FIELDS = 4  # per tile: request, first row, end row, key count of its request
+
 
 @triton.jit
-def accumulate_tile(query, kv_ptr, page, slot, key_ok, kv_head, dims, dim_ok, stride_kv_page,
-                    stride_kv_head, stride_kv_slot, stride_kv_c, head_size, scale,
-                    running_max, running_sum, acc):
-    """One tile of keys (``page``/``slot`` per key, ``key_ok`` where visible) folded into
-    the online softmax state (running max, running sum, weighted values)."""
-    base = page * stride_kv_page + kv_head * stride_kv_head + slot * stride_kv_slot
-    tile_mask = key_ok[:, None] & dim_ok[None, :]
-    keys = tl.load(kv_ptr + base[:, None] + dims[None, :] * stride_kv_c,
-                   mask=tile_mask, other=0.0).to(tl.float32)
+def accumulate_tile(query, kv_ptr, page, slot, key_in, visible, kv_head, dims, dim_ok,
+                    stride_kv_page, stride_kv_head, stride_kv_slot, stride_kv_c, head_size,
+                    scale, running_max, running_sum, acc, FP32_PRODUCTS: tl.constexpr,
+                    FP32_PRECISION: tl.constexpr):
+    """One tile of keys folded into the rows' online softmax state.
+
+    query [BLOCK_M, BLOCK_D] (input dtype); page, slot, key_in [BLOCK_N] (``key_in``: the
+    key exists); visible [BLOCK_M, BLOCK_N] (row sees key; implies ``key_in``);
+    running_max, running_sum [BLOCK_M] and acc [BLOCK_M, BLOCK_D] in fp32.
+    """
+    base = page * stride_kv_page + kv_head * stride_kv_head + slot * stride_kv_slot  # [N]
+    keys_t = tl.load(kv_ptr + base[None, :] + dims[:, None] * stride_kv_c,  # [D, N]
+                     mask=dim_ok[:, None] & key_in[None, :], other=0.0).to(query.dtype)
     values = tl.load(kv_ptr + base[:, None] + (dims[None, :] + head_size) * stride_kv_c,
-                     mask=tile_mask, other=0.0).to(tl.float32)
-    scores = tl.sum(keys * query[None, :], axis=1) * scale
-    scores = tl.where(key_ok, scores, float("-inf"))
-    new_max = tl.maximum(running_max, tl.max(scores, axis=0))
-    # A tile with no visible key leaves the state unchanged (and avoids -inf - -inf).
+                     mask=key_in[:, None] & dim_ok[None, :], other=0.0).to(query.dtype)
+    if FP32_PRODUCTS:
+        scores = tl.dot(query.to(tl.float32), keys_t.to(tl.float32),
+                        input_precision=FP32_PRECISION)
+    else:
+        scores = tl.dot(query, keys_t)
+    scores = tl.where(visible, scores * scale, float("-inf"))  # [M, N] fp32
+    new_max = tl.maximum(running_max, tl.max(scores, axis=1))
+    # A row with no visible key yet keeps its state (and avoids -inf - -inf).
     safe_max = tl.where(new_max == float("-inf"), 0.0, new_max)
-    weights = tl.exp(scores - safe_max)
+    weights = tl.exp(scores - safe_max[:, None])
     correction = tl.exp(running_max - safe_max)
-    running_sum = running_sum * correction + tl.sum(weights, axis=0)
-    acc = acc * correction + tl.sum(weights[:, None] * values, axis=0)
+    running_sum = running_sum * correction + tl.sum(weights, axis=1)
+    if FP32_PRODUCTS:
+        update = tl.dot(weights, values.to(tl.float32), input_precision=FP32_PRECISION)
+    else:
+        update = tl.dot(weights.to(values.dtype), values)
+    acc = acc * correction[:, None] + update
     return new_max, running_sum, acc
 
 
 @triton.jit
-def accumulate_key_range(query, kv_ptr, table, first, end, kv_head, dims, dim_ok,
+def accumulate_key_range(query, kv_ptr, table, first, end, row_end, kv_head, dims, dim_ok,
                          stride_kv_page, stride_kv_head, stride_kv_slot, stride_kv_c,
                          head_size, scale, page_size, running_max, running_sum, acc,
-                         BLOCK_N: tl.constexpr):
+                         BLOCK_N: tl.constexpr, FP32_PRODUCTS: tl.constexpr,
+                         FP32_PRECISION: tl.constexpr):
     """Keys at positions [first, end) of a request (``table``: its page ids) folded into
-    the online softmax state, BLOCK_N at a time."""
+    the rows' state; row i sees the keys before ``row_end[i]`` ([BLOCK_M], at most end)."""
     for start in range(first, end, BLOCK_N):
         key_positions = start + tl.arange(0, BLOCK_N)
-        key_ok = key_positions < end
-        page = tl.load(table + key_positions // page_size, mask=key_ok, other=0)
+        key_in = key_positions < end
+        page = tl.load(table + key_positions // page_size, mask=key_in, other=0)
+        visible = key_positions[None, :] < row_end[:, None]
         running_max, running_sum, acc = accumulate_tile(
-            query, kv_ptr, page, key_positions % page_size, key_ok, kv_head, dims, dim_ok,
-            stride_kv_page, stride_kv_head, stride_kv_slot, stride_kv_c, head_size, scale,
-            running_max, running_sum, acc)
+            query, kv_ptr, page, key_positions % page_size, key_in, visible, kv_head, dims,
+            dim_ok, stride_kv_page, stride_kv_head, stride_kv_slot, stride_kv_c, head_size,
+            scale, running_max, running_sum, acc, FP32_PRODUCTS, FP32_PRECISION)
     return running_max, running_sum, acc
 
 
 @triton.jit
+def load_query_tile(query_ptr, tiles_ptr, num_tiles, query_positions_ptr, stride_q_row,
+                    stride_q_head, head, head_size, BLOCK_M: tl.constexpr,
+                    BLOCK_D: tl.constexpr):
+    """This program's tile: its request, rows, their positions and queries."""
+    tile = tl.program_id(0)
+    request = tl.load(tiles_ptr + tile)
+    first_row = tl.load(tiles_ptr + num_tiles + tile)
+    end_row = tl.load(tiles_ptr + 2 * num_tiles + tile)
+    kv_len = tl.load(tiles_ptr + 3 * num_tiles + tile)
+    rows = first_row + tl.arange(0, BLOCK_M)
+    row_ok = rows < end_row
+    dims = tl.arange(0, BLOCK_D)
+    dim_ok = dims < head_size
+    positions = tl.load(query_positions_ptr + rows, mask=row_ok, other=0)
+    query = tl.load(query_ptr + rows[:, None] * stride_q_row + head * stride_q_head
+                    + dims[None, :], mask=row_ok[:, None] & dim_ok[None, :], other=0.0)
+    return request, kv_len, rows, row_ok, positions, dims, dim_ok, query
+
+
+@triton.jit
+def store_rows(out_ptr, rows, row_ok, head, dims, dim_ok, stride_o_row, stride_o_head,
+               running_sum, acc):
+    out = acc / running_sum[:, None]
+    tl.store(out_ptr + rows[:, None] * stride_o_row + head * stride_o_head + dims[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :])
+
+
+@triton.jit
 def _block_causal_attention_kernel(
-    query_ptr, kv_ptr, out_ptr, query_positions_ptr, row_request_ptr, kv_lens_ptr,
-    block_table_ptr,
+    query_ptr, kv_ptr, out_ptr, query_positions_ptr, tiles_ptr, num_tiles, block_table_ptr,
     stride_q_row, stride_q_head, stride_kv_page, stride_kv_head, stride_kv_slot, stride_kv_c,
     stride_o_row, stride_o_head, stride_table_row,
     scale, diffusion_block_size, page_size, group_size, head_size,
-    BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+    FP32_PRODUCTS: tl.constexpr, FP32_PRECISION: tl.constexpr,
 ):
-    row = tl.program_id(0)
     head = tl.program_id(1)
-    request = tl.load(row_request_ptr + row)
-    position = tl.load(query_positions_ptr + row)
-    kv_len = tl.load(kv_lens_ptr + request)
-    # Keys of the query's own diffusion block and all earlier ones, within kv_len.
-    visible = tl.minimum(kv_len, (position // diffusion_block_size + 1) * diffusion_block_size)
-    kv_head = head // group_size
-
-    dims = tl.arange(0, BLOCK_D)
-    dim_ok = dims < head_size
-    query = tl.load(query_ptr + row * stride_q_row + head * stride_q_head + dims,
-                    mask=dim_ok, other=0.0).to(tl.float32)
-
-    running_max = tl.full((), float("-inf"), tl.float32)
-    running_sum = tl.full((), 0.0, tl.float32)
-    acc = tl.zeros((BLOCK_D,), tl.float32)
+    request, kv_len, rows, row_ok, positions, dims, dim_ok, query = load_query_tile(
+        query_ptr, tiles_ptr, num_tiles, query_positions_ptr, stride_q_row, stride_q_head,
+        head, head_size, BLOCK_M, BLOCK_D)
+    # Keys of each row's own diffusion block and all earlier ones, within kv_len.
+    row_end = tl.minimum(kv_len, (positions // diffusion_block_size + 1) * diffusion_block_size)
+    row_end = tl.where(row_ok, row_end, 0)
+    running_max = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+    running_sum = tl.zeros((BLOCK_M,), tl.float32)
+    acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
     running_max, running_sum, acc = accumulate_key_range(
-        query, kv_ptr, block_table_ptr + request * stride_table_row, 0, visible, kv_head,
-        dims, dim_ok, stride_kv_page, stride_kv_head, stride_kv_slot, stride_kv_c, head_size,
-        scale, page_size, running_max, running_sum, acc, BLOCK_N)
-    out = acc / running_sum
-    tl.store(out_ptr + row * stride_o_row + head * stride_o_head + dims,
-             out.to(out_ptr.dtype.element_ty), mask=dim_ok)
+        query, kv_ptr, block_table_ptr + request * stride_table_row, 0, tl.max(row_end, 0),
+        row_end, head // group_size, dims, dim_ok, stride_kv_page, stride_kv_head,
+        stride_kv_slot, stride_kv_c, head_size, scale, page_size, running_max, running_sum,
+        acc, BLOCK_N, FP32_PRODUCTS, FP32_PRECISION)
+    store_rows(out_ptr, rows, row_ok, head, dims, dim_ok, stride_o_row, stride_o_head,
+               running_sum, acc)
+
+
+def plan_tiles(query_start_loc: list[int], kv_lens: list[int], device: torch.device,
+               dtype: torch.dtype) -> tuple[torch.Tensor, int, int]:
+    """Each request's rows cut into tiles of BLOCK_M: tiles [TILE_FIELDS, num_tiles] int64
+    on ``device`` (request, first row, end row, key count), num_tiles and BLOCK_M (16, 32
+    or 64: the smallest holding the longest run, at most 64, and 32 for fp32 inputs, whose
+    tiles take twice the registers)."""
+    runs = [(r, a, b) for r, (a, b) in enumerate(zip(query_start_loc[:-1],
+                                                      query_start_loc[1:])) if b > a]
+    longest = max((b - a for _, a, b in runs), default=1)
+    block_m = 16 if longest <= 16 else 32 if longest <= 32 or dtype == torch.float32 else 64
+    columns = [(r, start, min(start + block_m, b), kv_lens[r])
+               for r, a, b in runs for start in range(a, b, block_m)]
+    tiles = torch.tensor(list(zip(*columns)), dtype=torch.int64).to(device)
+    return tiles.reshape(TILE_FIELDS, -1), len(columns), block_m
+
+
+def launch_shape(query: torch.Tensor, head_size: int) -> dict:
+    """The constexprs every kernel here shares: the padded head size (tl.dot needs 16 or
+    more), the key tile, and whether the products run in fp32 and how. fp32 inputs take
+    fp32 products (three TF32 products per product natively, ``tf32x3``: fp32-level error
+    on tensor cores). Under Triton's interpreter every dtype takes fp32 products
+    (``ieee``): its ``tl.dot`` on bf16/fp16 operands returns garbage (Triton 3.9), so the
+    interpreter checks the bf16/fp16 cases with fp32 products and only a native run checks
+    the tensor-core products."""
+    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
+    return {"BLOCK_D": max(16, triton.next_power_of_2(head_size)),
+            "BLOCK_N": 64 if head_size <= 64 else 32,
+            "FP32_PRODUCTS": query.dtype == torch.float32 or interpreted,
+            "FP32_PRECISION": "ieee" if interpreted else "tf32x3"}
 
 
 def block_causal_attention(query: torch.Tensor, kv_cache: torch.Tensor,
@@ -99,17 +171,16 @@ def block_causal_attention(query: torch.Tensor, kv_cache: torch.Tensor,
     output = torch.empty_like(query)
     if num_rows == 0:
         return output
-    counts = torch.tensor([b - a for a, b in zip(query_start_loc[:-1], query_start_loc[1:])])
-    row_request = torch.repeat_interleave(torch.arange(len(kv_lens)), counts)
     device = query.device
     assert query.stride(2) == 1 and output.stride(2) == 1
+    tiles, num_tiles, block_m = plan_tiles(query_start_loc, kv_lens, device,
+                                            query.dtype)
     table = block_table.to(device=device, dtype=torch.int64).contiguous()
-    _block_causal_attention_kernel[(num_rows, num_heads)](
+    _block_causal_attention_kernel[(num_tiles, num_heads)](
         query, kv_cache, output, query_positions.to(device=device, dtype=torch.int64),
-        row_request.to(device), torch.tensor(kv_lens, device=device, dtype=torch.int64),
-        table, query.stride(0), query.stride(1), *kv_cache.stride(), output.stride(0),
-        output.stride(1), table.stride(0),
+        tiles, num_tiles, table, query.stride(0), query.stride(1), *kv_cache.stride(),
+        output.stride(0), output.stride(1), table.stride(0),
         scale, diffusion_block_size, kv_cache.shape[2], num_heads // kv_cache.shape[1],
-        head_size, BLOCK_D=triton.next_power_of_2(head_size), BLOCK_N=32,
+        head_size, BLOCK_M=block_m, **launch_shape(query, head_size),
     )
     return output

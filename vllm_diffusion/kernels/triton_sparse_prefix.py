@@ -2,8 +2,9 @@
 
 Same signature and semantics as ``sparse_prefix.sparse_prefix_attention``; tests compare
 the two on a named grid of shapes (on CPU through ``TRITON_INTERPRET=1``). One program per
-(query row, head) streams first the kept prefix positions of its KV head (an index list,
-so each key's page is looked up), then its block's keys, with one online softmax.
+(tile of one request's query rows, head) streams first the kept prefix positions of its KV
+head (an index list, so each key's page is looked up), then its block's keys, with one
+online softmax (``triton_block_attention``'s tiles and matrix products).
 """
 
 from __future__ import annotations
@@ -13,53 +14,54 @@ import triton
 import triton.language as tl
 
 from vllm_diffusion.kernels.triton_block_attention import (accumulate_key_range,
-                                                             accumulate_tile)
+                                                             accumulate_tile, launch_shape,
+                                                             load_query_tile, plan_tiles,
+                                                             store_rows)
 
 
 @triton.jit
 def _sparse_prefix_attention_kernel(
-    query_ptr, kv_ptr, out_ptr, query_positions_ptr, row_request_ptr, kv_lens_ptr,
-    prefix_lens_ptr, block_table_ptr, kept_ptr,
+    query_ptr, kv_ptr, out_ptr, query_positions_ptr, tiles_ptr, num_tiles, prefix_lens_ptr,
+    block_table_ptr, kept_ptr,
     stride_q_row, stride_q_head, stride_kv_page, stride_kv_head, stride_kv_slot, stride_kv_c,
     stride_o_row, stride_o_head, stride_table_row, stride_kept_request, stride_kept_head,
     num_kept, scale, diffusion_block_size, page_size, group_size, head_size,
-    BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+    FP32_PRODUCTS: tl.constexpr, FP32_PRECISION: tl.constexpr,
 ):
-    row = tl.program_id(0)
     head = tl.program_id(1)
-    request = tl.load(row_request_ptr + row)
-    position = tl.load(query_positions_ptr + row)
-    kv_len = tl.load(kv_lens_ptr + request)
+    request, kv_len, rows, row_ok, positions, dims, dim_ok, query = load_query_tile(
+        query_ptr, tiles_ptr, num_tiles, query_positions_ptr, stride_q_row, stride_q_head,
+        head, head_size, BLOCK_M, BLOCK_D)
     prefix_len = tl.load(prefix_lens_ptr + request)
     kv_head = head // group_size
-    dims = tl.arange(0, BLOCK_D)
-    dim_ok = dims < head_size
-    query = tl.load(query_ptr + row * stride_q_row + head * stride_q_head + dims,
-                    mask=dim_ok, other=0.0).to(tl.float32)
-    running_max = tl.full((), float("-inf"), tl.float32)
-    running_sum = tl.full((), 0.0, tl.float32)
-    acc = tl.zeros((BLOCK_D,), tl.float32)
+    running_max = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+    running_sum = tl.zeros((BLOCK_M,), tl.float32)
+    acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
     table = block_table_ptr + request * stride_table_row
     kept_row = kept_ptr + request * stride_kept_request + kv_head * stride_kept_head
+    # The kept prefix positions (every row of the tile sees all of them).
     for start in range(0, num_kept, BLOCK_N):
         offsets = start + tl.arange(0, BLOCK_N)
         index = tl.load(kept_row + offsets, mask=offsets < num_kept, other=-1)
-        key_ok = index >= 0
-        safe = tl.where(key_ok, index, 0)
-        page = tl.load(table + safe // page_size, mask=key_ok, other=0)
+        key_in = index >= 0
+        safe = tl.where(key_in, index, 0)
+        page = tl.load(table + safe // page_size, mask=key_in, other=0)
+        visible = row_ok[:, None] & key_in[None, :]
         running_max, running_sum, acc = accumulate_tile(
-            query, kv_ptr, page, safe % page_size, key_ok, kv_head, dims, dim_ok,
+            query, kv_ptr, page, safe % page_size, key_in, visible, kv_head, dims, dim_ok,
             stride_kv_page, stride_kv_head, stride_kv_slot, stride_kv_c, head_size, scale,
-            running_max, running_sum, acc)
-    # The block's keys up to the end of the query's own diffusion block.
-    visible = tl.minimum(kv_len, (position // diffusion_block_size + 1) * diffusion_block_size)
+            running_max, running_sum, acc, FP32_PRODUCTS, FP32_PRECISION)
+    # The block's keys up to the end of each row's own diffusion block.
+    row_end = tl.minimum(kv_len, (positions // diffusion_block_size + 1) * diffusion_block_size)
+    row_end = tl.where(row_ok, row_end, 0)
     running_max, running_sum, acc = accumulate_key_range(
-        query, kv_ptr, table, prefix_len, visible, kv_head, dims, dim_ok, stride_kv_page,
-        stride_kv_head, stride_kv_slot, stride_kv_c, head_size, scale, page_size,
-        running_max, running_sum, acc, BLOCK_N)
-    out = acc / running_sum
-    tl.store(out_ptr + row * stride_o_row + head * stride_o_head + dims,
-             out.to(out_ptr.dtype.element_ty), mask=dim_ok)
+        query, kv_ptr, table, prefix_len, tl.max(row_end, 0), row_end, kv_head, dims,
+        dim_ok, stride_kv_page, stride_kv_head, stride_kv_slot, stride_kv_c, head_size,
+        scale, page_size, running_max, running_sum, acc, BLOCK_N, FP32_PRODUCTS,
+        FP32_PRECISION)
+    store_rows(out_ptr, rows, row_ok, head, dims, dim_ok, stride_o_row, stride_o_head,
+               running_sum, acc)
 
 
 def sparse_prefix_attention(query: torch.Tensor, kv_cache: torch.Tensor,
@@ -75,18 +77,17 @@ def sparse_prefix_attention(query: torch.Tensor, kv_cache: torch.Tensor,
     if num_rows == 0:
         return output
     device = query.device
-    counts = torch.tensor([b - a for a, b in zip(query_start_loc[:-1], query_start_loc[1:])])
-    row_request = torch.repeat_interleave(torch.arange(len(kv_lens)), counts).to(device)
     assert query.stride(2) == 1 and output.stride(2) == 1
+    tiles, num_tiles, block_m = plan_tiles(query_start_loc, kv_lens, device,
+                                            query.dtype)
     table = block_table.to(device=device, dtype=torch.int64).contiguous()
     kept = kept_index.to(device=device, dtype=torch.int64).contiguous()
-    _sparse_prefix_attention_kernel[(num_rows, num_heads)](
+    _sparse_prefix_attention_kernel[(num_tiles, num_heads)](
         query, kv_cache, output, query_positions.to(device=device, dtype=torch.int64),
-        row_request, torch.tensor(kv_lens, device=device, dtype=torch.int64),
-        torch.tensor(prefix_lens, device=device, dtype=torch.int64), table, kept,
-        query.stride(0), query.stride(1), *kv_cache.stride(), output.stride(0),
+        tiles, num_tiles, torch.tensor(prefix_lens, device=device, dtype=torch.int64),
+        table, kept, query.stride(0), query.stride(1), *kv_cache.stride(), output.stride(0),
         output.stride(1), table.stride(0), kept.stride(0), kept.stride(1), kept.shape[2],
         scale, diffusion_block_size, kv_cache.shape[2], num_heads // kv_cache.shape[1],
-        head_size, BLOCK_D=triton.next_power_of_2(head_size), BLOCK_N=32,
+        head_size, BLOCK_M=block_m, **launch_shape(query, head_size),
     )
     return output
