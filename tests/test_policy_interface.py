@@ -187,6 +187,53 @@ def test_batched_commit_choice_matches_the_per_block_reference(name, alone):
         assert got[i].tolist() == want.tolist(), (i, config)
 
 
+HOST_ORDER = ("low_confidence_dynamic", "low_confidence_static", "sequential", "threshold")
+
+
+@pytest.mark.parametrize("alone", [None, *HOST_ORDER])
+@pytest.mark.parametrize("name", COMMIT_GRID)
+def test_host_commit_choice_matches_the_tensor_path(name, alone):
+    """The small steps' Python commit choice against ``batched_choose_commits`` on the same
+    grid (ties, -inf where not computed, last steps), with thresholds at the grid's
+    levels, between them, and at values float32 rounds (0.7, 0.6)."""
+    from vllm_diffusion.policies.host_commits import as_float32, host_choose_commits
+
+    rows, block, seed = COMMIT_GRID[name]
+    confidence, masked, gen = random_blocks(seed, rows, block)
+    confidence[2:4, :] = torch.tensor(0.7)  # exactly the float32 rounding of 0.7
+    strategies = [alone or HOST_ORDER[i % len(HOST_ORDER)] for i in range(rows)]
+    thresholds = [[0.0, 0.6, 0.7, 0.9, 1.0, 0.55][i % 6] for i in range(rows)]
+    steps_allowed = [block if i % 3 else max(1, block // 2) for i in range(rows)]
+    steps = torch.randint(0, block + 2, (rows,), generator=gen)
+    want = batched_choose_commits(
+        confidence, masked, steps, torch.tensor(steps_allowed),
+        torch.tensor([STRATEGIES.index(s) for s in strategies]), torch.tensor(thresholds))
+    got = host_choose_commits(confidence.tolist(), masked.tolist(), steps.tolist(),
+                              steps_allowed, strategies, [as_float32(t) for t in thresholds])
+    assert got == want.tolist()
+
+
+def test_strategy_unmasking_decides_small_steps_on_the_host_and_large_ones_by_tensors():
+    """Both sides of ``MAX_HOST_POSITIONS`` give the per-block reference's commits."""
+    from vllm_diffusion.capabilities import ModelCapabilities
+    from vllm_diffusion.policies.host_commits import MAX_HOST_POSITIONS
+
+    for rows, block in ((3, 4), (MAX_HOST_POSITIONS // 4 + 1, 4)):
+        confidence, masked, _ = random_blocks(7, rows, block)
+        unmasking = StrategyUnmasking(block, MASK, ModelCapabilities(family="SDAR"))
+        configs = [StandardConfig(strategy=HOST_ORDER[i % 4], threshold=0.6)
+                   for i in range(rows)]
+        requests = []
+        for i, config in enumerate(configs):
+            request = DiffusionRequest(str(i), config, None, False)
+            request.canvas = types.SimpleNamespace(steps=i % 3)
+            requests.append(request)
+        got = unmasking.choose_commits(CommitBatch(requests, confidence, masked))
+        for i, config in enumerate(configs):
+            want = choose_commits(confidence[i], masked[i], i % 3, block, config)
+            assert got[i].tolist() == want.tolist(), (rows, i, config)
+
+
 def published_factor_count(sorted_confidence: list[float], factor: float) -> int:
     """Fast-dLLM's ``get_transfer_index_dynamic`` (NVlabs/Fast-dLLM f6b35ec), one row:
     thresholds 1 - factor / (n + 1) over ranks n = 1..m, the first set to -1; the loop

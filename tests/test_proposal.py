@@ -107,3 +107,73 @@ def test_penalties_follow_vllms_definitions():
             want -= 0.4 * output.count(token) + 0.3 * (token in output)
             assert abs(float(batch.logits[row, token]) - want) < 1e-5
     assert torch.equal(batch.logits[3:], logits[3:])
+
+
+def random_proposals(n: int, ranked: int, logprob_rows: int, seed: int = 0):
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    return proposal.Proposals(
+        tokens=torch.randint(0, 50_000, (n,), generator=gen),
+        confidence=torch.rand(n, generator=gen),
+        entropy=torch.rand(n, generator=gen),
+        logprobs=torch.randn(logprob_rows, 6, generator=gen, dtype=torch.float64)
+        if logprob_rows else None,
+        ranked=torch.randint(0, 50_000, (n, ranked), generator=gen) if ranked else None,
+        invalid=torch.randint(0, 4, (n,), generator=gen).to(torch.int8))
+
+
+@pytest.mark.parametrize("ranked,logprob_rows", [(0, 0), (3, 0), (0, 2), (2, 5)])
+def test_one_copy_to_host_gives_each_tensor_back(ranked, logprob_rows):
+    """The packed float64 copy (the path off the host) unpacks to the proposals."""
+    import torch
+
+    from vllm_diffusion.worker.proposal_grid import one_copy_to_host
+
+    proposed = random_proposals(5, ranked, logprob_rows)
+    got = one_copy_to_host(proposed)
+    want = (proposed.tokens, proposed.confidence, proposed.invalid, proposed.entropy,
+            proposed.ranked, proposed.logprobs)
+    for g, w in zip(got, want):
+        assert (g is None) == (w is None)
+        if w is not None:
+            torch.testing.assert_close(g.to(w.dtype), w, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("layout", ["whole", "ragged", "reordered"])
+def test_scatter_to_host_places_each_proposal(layout):
+    """The [R, B] grid against a loop placing each row; whole grids (a reshape) and
+    partial or reordered ones (a scatter), with ranked alternatives and logprobs."""
+    import torch
+
+    from vllm_diffusion.worker.proposal_grid import scatter_to_host
+
+    blocks, block_size, mask = 3, 4, 7
+    where = [(b, p) for b in range(blocks) for p in range(block_size)]
+    if layout == "ragged":
+        where = [(0, 1), (0, 2), (1, 0), (1, 1), (1, 2), (1, 3), (2, 3)]
+    elif layout == "reordered":
+        where = where[4:] + where[:4]
+    asks = [True, False, True]
+    logprob_rows = sum(asks[b] for b, _ in where)
+    proposed = random_proposals(len(where), 2, logprob_rows, seed=len(where))
+    grid = scatter_to_host(proposed, torch.tensor(where), blocks, block_size, mask, asks)
+    logprob_row = 0
+    for row, (b, p) in enumerate(where):
+        assert grid.tokens[b, p] == proposed.tokens[row]
+        assert grid.confidence[b, p] == proposed.confidence[row]
+        assert grid.entropy[b, p] == proposed.entropy[row]
+        assert grid.invalid[b, p] == proposed.invalid[row]
+        assert grid.ranked[b, p].tolist() == proposed.ranked[row].tolist()
+        assert grid.computed[b, p]
+        if asks[b]:
+            assert grid.logprobs[b, p].tolist() == proposed.logprobs[logprob_row].tolist()
+            logprob_row += 1
+    placed = set(where)
+    for b in range(blocks):
+        for p in range(block_size):
+            if (b, p) not in placed:
+                assert grid.tokens[b, p] == mask and not grid.computed[b, p]
+                assert grid.confidence[b, p] == float("-inf")
+    assert (grid.tokens.dtype, grid.confidence.dtype, grid.invalid.dtype,
+            grid.computed.dtype) == (torch.long, torch.float32, torch.int8, torch.bool)

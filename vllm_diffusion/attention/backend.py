@@ -38,10 +38,10 @@ from vllm.v1.attention.backend import (
 )
 from vllm.v1.kv_cache_layout import KVCacheLayout
 
-from vllm_diffusion.attention.cpu_attention import (attend_segments, cpu_kernel_supports,
-                                                   plan_segments,
+from vllm_diffusion.attention.cpu_attention import (SegmentPlan, attend_segments,
+                                                   cpu_kernel_supports, plan_segments,
                                                    segmented_block_causal_attention,
-                                                   write_kv_with_vllm)
+                                                   vllm_cache_halves, write_kv_with_vllm)
 from vllm_diffusion.attention.key_selection import attend_with_key_selection, score_prefixes
 from vllm_diffusion.kernels.block_attention import (PaddedPlan, attend_padded,
                                                     padded_block_causal_attention,
@@ -79,6 +79,13 @@ class BlockDiffusionMetadata:
         fields, so the view keeps them)."""
         return cls(rows.query_positions, rows.slot_mapping, tuple(rows.query_start_loc),
                    tuple(rows.kv_lens), block_table, diffusion_block_size)
+
+    def with_attention_plan(self, attention_plan: Any) -> BlockDiffusionMetadata:
+        """This view with the CPU attention's plan for its rows (``plan_step``)."""
+        return BlockDiffusionMetadata(
+            self.query_positions, self.slot_mapping, self.query_start_loc, self.kv_lens,
+            self.block_table, self.diffusion_block_size, attention_plan, self.key_selection,
+            self.selected_prefix)
 
     def with_key_selection(self, key_selection: KeySelection,
                            selected_prefix: SelectedPrefix | None) -> BlockDiffusionMetadata:
@@ -178,16 +185,33 @@ class BlockDiffusionAttentionImpl(AttentionImpl[BlockDiffusionMetadata]):
         # padded torch path; planned once per step by the rows' owner (``plan_step``) and
         # attended per layer, or in one call (``cpu_dense``) for a view without a plan and
         # for the dense rows of a step with a key selection.
-        self.cpu_attention = (plan_segments, attend_segments)
+        self.cpu_attention = (plan_segments, self._attend_segments)
         self.cpu_dense = segmented_block_causal_attention
         # the KV write: vLLM's CPU kernel where its attention runs, else the torch path
-        self.write_kv = write_kv_with_vllm if current_platform.is_cpu() else write_kv
+        self.write_kv = self._write_kv_with_vllm if current_platform.is_cpu() else write_kv
+        # the layer's cache and its halves as vLLM's CPU kernels take them, made at the
+        # first call with that cache (a layer's cache is fixed; views, made once)
+        self._cache_halves: tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]] | None = None
         if current_platform.is_cpu() and not cpu_kernel_supports(head_size):
             logger.info("vllm-diffusion: vLLM's CPU attention has no kernel for head size "
                         "%d; the padded torch attention runs instead", head_size)
             self.cpu_attention = (self._plan_padded, attend_padded)
             self.cpu_dense = padded_block_causal_attention
             self.write_kv = write_kv
+
+    def _halves(self, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._cache_halves is None or self._cache_halves[0] is not kv_cache:
+            self._cache_halves = (kv_cache, vllm_cache_halves(kv_cache))
+        return self._cache_halves[1]
+
+    def _write_kv_with_vllm(self, kv_cache: torch.Tensor, key: torch.Tensor,
+                            value: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        write_kv_with_vllm(kv_cache, key, value, slot_mapping, self._halves(kv_cache))
+
+    def _attend_segments(self, query: torch.Tensor, kv_cache: torch.Tensor,
+                         plan: SegmentPlan, scale: float,
+                         output: torch.Tensor | None = None) -> torch.Tensor:
+        return attend_segments(query, kv_cache, plan, scale, output, self._halves(kv_cache))
 
     def _plan_padded(self, query_positions, query_start_loc, kv_lens, block_table,
                      block_size, num_heads, kv_cache) -> PaddedPlan:
@@ -215,23 +239,26 @@ class BlockDiffusionAttentionImpl(AttentionImpl[BlockDiffusionMetadata]):
             return output.zero_()
         view = attn_metadata
         n, n_kv = view.num_queries, len(view.slot_mapping)
-        output[n:].zero_()  # rows past the step's: bucket padding (``StepRun``)
-        self.write_kv(kv_cache, key[:n_kv], value[:n_kv], view.slot_mapping)
+        if n < len(output):
+            output[n:].zero_()  # rows past the step's: bucket padding (``StepRun``)
+        # the step's rows (no slicing where there is no padding: this runs per layer)
+        query_rows, output_rows = _first(query, n), _first(output, n)
+        self.write_kv(kv_cache, _first(key, n_kv), _first(value, n_kv), view.slot_mapping)
         on_cuda = query.device.type == "cuda"
         block_table, block_size = view.block_table, view.diffusion_block_size
         selection = view.key_selection
         if selection is None:
             if on_cuda:
-                output[:n] = kernel("block_attention", query.device)(
-                    query[:n], kv_cache, view.query_positions, view.query_start_loc,
+                output_rows[:] = kernel("block_attention", query.device)(
+                    query_rows, kv_cache, view.query_positions, view.query_start_loc,
                     view.kv_lens, block_table, block_size, self.scale)
             elif view.attention_plan is not None:
-                self.cpu_attention[1](query[:n], kv_cache, view.attention_plan, self.scale,
-                                      output[:n])
+                self.cpu_attention[1](query_rows, kv_cache, view.attention_plan, self.scale,
+                                      output_rows)
             else:
-                output[:n] = self.cpu_dense(query[:n], kv_cache, view.query_positions,
-                                            view.query_start_loc, view.kv_lens, block_table,
-                                            block_size, self.scale)
+                output_rows[:] = self.cpu_dense(query_rows, kv_cache, view.query_positions,
+                                                view.query_start_loc, view.kv_lens,
+                                                block_table, block_size, self.scale)
             return output
         dense = kernel("block_attention", query.device) if on_cuda else self.cpu_dense
         tp_size = get_tensor_model_parallel_world_size()
@@ -241,9 +268,14 @@ class BlockDiffusionAttentionImpl(AttentionImpl[BlockDiffusionMetadata]):
                 raise ValueError("a key selection with scoring requests needs an output "
                                  "slot (BlockDiffusionMetadata.selected_prefix)")
             view.selected_prefix.update(score_prefixes(
-                query[:n], kv_cache, view.query_start_loc, block_table, selection,
+                query_rows, kv_cache, view.query_start_loc, block_table, selection,
                 self.scale, sum_heads, self.num_heads * tp_size, view.kv_lens))
-        output[:n] = attend_with_key_selection(
-            query[:n], kv_cache, view, block_table, block_size, selection, self.scale,
+        output_rows[:] = attend_with_key_selection(
+            query_rows, kv_cache, view, block_table, block_size, selection, self.scale,
             dense, kernel("sparse_prefix_attention", query.device))
         return output
+
+
+def _first(rows: torch.Tensor, n: int) -> torch.Tensor:
+    """rows[:n], without a new view where that is all of them."""
+    return rows if len(rows) == n else rows[:n]

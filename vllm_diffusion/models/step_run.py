@@ -75,7 +75,7 @@ class LayerViews:
         views that some layer attends densely with)."""
         view = BlockDiffusionMetadata.of(rows, self.block_table, self.diffusion_block_size)
         plan = self.planner(view) if planned and self.planner is not None else None
-        return view if plan is None else dataclasses.replace(view, attention_plan=plan)
+        return view if plan is None else view.with_attention_plan(plan)
 
     def publish(self, view: BlockDiffusionMetadata, first_layer: int,
                 end_layer: int | None = None) -> None:

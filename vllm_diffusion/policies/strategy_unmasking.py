@@ -21,6 +21,8 @@ from vllm_diffusion.policies.joint_editing import (ALTERNATIVES, EditTokens, Joi
 from vllm_diffusion.policies.timestep_schedule import (SCHEDULE_RANKINGS,
                                                        batched_timestep_quota)
 from vllm_diffusion.policies.batched_commits import active_sub_block, batched_choose_commits
+from vllm_diffusion.policies.host_commits import (HOST_STRATEGIES, MAX_HOST_POSITIONS,
+                                                  as_float32, host_choose_commits)
 from vllm_diffusion.policies.unmasking import STRATEGIES, StrategyConfig
 from vllm_diffusion.step.plans import CommitBatch, EditBatch
 from vllm_diffusion.step.request import DiffusionRequest
@@ -83,6 +85,15 @@ class StrategyUnmasking(BlockUnmasking[StrategyConfig, Any]):
 
     def choose_commits(self, batch: CommitBatch) -> torch.Tensor:
         configs = [r.policy_config for r in batch.requests]
+        if (configs and batch.confidence.numel() <= MAX_HOST_POSITIONS
+                and all(c.strategy in HOST_STRATEGIES for c in configs)):
+            # a small step of the threshold and quota strategies: decided on the host
+            return torch.tensor(host_choose_commits(
+                batch.confidence.tolist(), self._candidates(batch).tolist(),
+                [r.canvas.steps for r in batch.requests],
+                [c.steps_for(self.block_size) for c in configs],
+                [c.strategy for c in configs], [as_float32(c.threshold) for c in configs]),
+                dtype=torch.bool)
         codes = _strategy_codes(batch)
         # a strategy's own options only where a block follows it (not on every step)
         followed = {c.strategy for c in configs}

@@ -149,8 +149,8 @@ class DiffusionRequest(Generic[ConfigT, StateT]):
         canvas = self.canvas
         if canvas is not None and canvas.start == block_start:
             return canvas
-        tokens = torch.full((block_size,), mask_token_id, dtype=torch.long)
-        tokens[:len(fixed)] = torch.tensor(fixed, dtype=torch.long)
+        tokens = torch.tensor([*fixed, *[mask_token_id] * (block_size - len(fixed))],
+                              dtype=torch.long)
         first_step = canvas.first_step + canvas.steps if canvas is not None else 0
         self.canvas = BlockCanvas(block_start, tokens, slots=self.block_slots, slot=self.slot,
                                   first_step=first_step)

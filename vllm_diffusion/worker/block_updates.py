@@ -131,11 +131,13 @@ class BlockUpdates:
         if grammar.active:  # after the undo: the run from F holds no undone position
             grammar.restrict(commits)
             tokens_after = torch.where(commits | edits, proposals, tokens_before)
+        # the per-block counts from one host list each (a few values per block)
+        token_lists = tokens_after.tolist()
         return StepDecisions(commits, edits, tokens_after, masked, grid.computed,
-                             commits.sum(dim=1).tolist(), tokens_after.tolist(),
-                             (tokens_after != self.mask_token_id).all(dim=1).tolist(),
-                             edits.sum(dim=1).tolist(), (~masked.any(dim=1)).tolist(),
-                             scheduled_idle)
+                             [sum(row) for row in commits.tolist()], token_lists,
+                             [self.mask_token_id not in row for row in token_lists],
+                             [sum(row) for row in edits.tolist()],
+                             [not any(row) for row in masked.tolist()], scheduled_idle)
 
     def apply(self, step: ProposedBlocks, decisions: StepDecisions,
               failures: StepFailures) -> dict[str, EmittedTokens]:
@@ -193,7 +195,8 @@ class BlockUpdates:
         block_done = (decisions.no_mask_left[i]
                       and self.unmasking.block_ends(request, decisions.num_edited[i] > 0,
                                                     decisions.began_unmasked[i]))
-        canvas.final_kv = (block_done and not bool(changed.any())
+        canvas.final_kv = (block_done and not (decisions.num_decoded[i]
+                                               or decisions.num_edited[i])
                            and bool(decisions.computed[i].all()))
         return self._finish_step(block, state, block_done, decisions.masked[i],
                                  decisions.computed[i], decisions.num_decoded[i],

@@ -71,9 +71,9 @@ def unsatisfiable_blocks(invalid: torch.Tensor, masked: torch.Tensor, computed: 
     """invalid: [R, B] int8 (``sampling.ROW_*``), masked, computed: [R, B] bool. Returns
     (block, position, code) for each block that cannot go on: its leftmost undecided
     position was computed and flagged (or, with ``rewrites``, any computed position)."""
-    flagged = (invalid != ROW_VALID) & computed
-    if not bool(flagged.any()):  # the usual step
+    if not bool(invalid.any()):  # the usual step (ROW_VALID is 0, as uncomputed places)
         return []
+    flagged = (invalid != ROW_VALID) & computed
     if rewrites:
         needed = flagged
     else:

@@ -2,9 +2,10 @@
 grid of the step's R denoised blocks of B positions.
 
 The pipeline (``proposal.py``) returns one row per computed block position, in request
-order; the policies decide over whole blocks. Tokens, confidences (and entropies, the
-ranked alternatives and the logprob columns, where asked for) travel to the host
-together in one copy, as float64, which holds every token id exactly.
+order; the policies decide over whole blocks. Off the host, tokens, confidences (and
+entropies, the ranked alternatives and the logprob columns, where asked for) travel to it
+together in one copy, as float64, which holds every token id exactly; on the host (CPU)
+they are placed as they are.
 """
 
 from __future__ import annotations
@@ -35,21 +36,12 @@ def scatter_to_host(proposed: Proposals, where: torch.Tensor, num_blocks: int,
                     asks_logprobs: list[bool] | None = None) -> ProposalGrid:
     """``where``: [n, 2] (block, position) of each proposal row; ``asks_logprobs``: per
     block, whether its request asked for logprobs (the rows ``proposed.logprobs`` has)."""
-    columns = [proposed.tokens, proposed.confidence, proposed.invalid]
-    if proposed.entropy is not None:
-        columns.append(proposed.entropy)
-    if proposed.ranked is not None:
-        columns += list(proposed.ranked.T)
-    parts = [torch.stack([c.double() for c in columns]).flatten()]
-    if proposed.logprobs is not None:
-        parts.append(proposed.logprobs.flatten())
-    host = torch.cat(parts).cpu()
-    n = len(proposed.tokens)
-    table = host[:len(columns) * n].view(len(columns), n)
-    block, position = where[:, 0], where[:, 1]
+    tokens, confidence, invalid, entropy, ranked, logprobs = _on_host(proposed)
+    n = len(tokens)
     shape = (num_blocks, block_size)
     # every position of every block, in order (the common step): the columns are the grid
     dense = n == num_blocks * block_size and torch.equal(where, _whole_grid(*shape))
+    block, position = (None, None) if dense else (where[:, 0], where[:, 1])
 
     def place(values: torch.Tensor, fill: float, dtype: torch.dtype) -> torch.Tensor:
         """[R, B, ...] of ``values`` ([n, ...]) at the proposals' places, ``fill``
@@ -60,21 +52,54 @@ def scatter_to_host(proposed: Proposals, where: torch.Tensor, num_blocks: int,
         grid[block, position] = values.to(dtype)
         return grid
 
-    grid = ProposalGrid(place(table[0], mask_token_id, torch.long),
-                        place(table[1], float("-inf"), torch.float32),
-                        place(torch.ones(n, dtype=torch.bool), False, torch.bool),
-                        place(table[2], 0, torch.int8))
-    if proposed.entropy is not None:
-        grid.entropy = place(table[3], 0.0, torch.float32)
-    if proposed.ranked is not None:
-        width = proposed.ranked.shape[1]
-        grid.ranked = place(table[len(columns) - width:].T, 0, torch.long)
-    if proposed.logprobs is not None:
-        width = proposed.logprobs.shape[1]
+    grid = ProposalGrid(place(tokens, mask_token_id, torch.long),
+                        place(confidence, float("-inf"), torch.float32),
+                        torch.ones(shape, dtype=torch.bool) if dense
+                        else place(torch.ones(n, dtype=torch.bool), False, torch.bool),
+                        place(invalid, 0, torch.int8))
+    if entropy is not None:
+        grid.entropy = place(entropy, 0.0, torch.float32)
+    if ranked is not None:
+        grid.ranked = place(ranked, 0, torch.long)
+    if logprobs is not None:
+        if block is None:
+            block, position = where[:, 0], where[:, 1]
         asking = torch.tensor(asks_logprobs, dtype=torch.bool)[block]
-        grid.logprobs = torch.zeros(*shape, width, dtype=torch.float64)
-        grid.logprobs[block[asking], position[asking]] = host[len(columns) * n:].view(-1, width)
+        grid.logprobs = torch.zeros(*shape, logprobs.shape[1], dtype=torch.float64)
+        grid.logprobs[block[asking], position[asking]] = logprobs
     return grid
+
+
+def _on_host(proposed: Proposals) -> tuple[torch.Tensor | None, ...]:
+    """The proposals' tensors on the host: tokens [n], confidence [n], invalid [n] int8,
+    entropy [n], ranked [n, r] and logprobs [m, C] (None where absent). Off the host they
+    come in one copy, as float64 (which holds every token id exactly); on it, as they
+    are."""
+    if proposed.tokens.device.type == "cpu":
+        return (proposed.tokens, proposed.confidence, proposed.invalid, proposed.entropy,
+                proposed.ranked, proposed.logprobs)
+    return one_copy_to_host(proposed)
+
+
+def one_copy_to_host(proposed: Proposals) -> tuple[torch.Tensor | None, ...]:
+    """``_on_host``'s tensors from one float64 copy of them all (for any device)."""
+    n = len(proposed.tokens)
+    columns = [proposed.tokens, proposed.confidence, proposed.invalid]
+    if proposed.entropy is not None:
+        columns.append(proposed.entropy)
+    if proposed.ranked is not None:
+        columns += list(proposed.ranked.T)
+    parts = [torch.stack([c.double() for c in columns]).flatten()]
+    if proposed.logprobs is not None:
+        parts.append(proposed.logprobs.flatten())
+    host = torch.cat(parts).cpu()
+    table = host[:len(columns) * n].view(len(columns), n)
+    width = 0 if proposed.ranked is None else proposed.ranked.shape[1]
+    return (table[0].long(), table[1].float(), table[2].to(torch.int8),
+            None if proposed.entropy is None else table[3].float(),
+            None if proposed.ranked is None else table[len(columns) - width:].T.long(),
+            None if proposed.logprobs is None
+            else host[len(columns) * n:].view(-1, proposed.logprobs.shape[1]))
 
 
 @functools.lru_cache(maxsize=256)
