@@ -125,7 +125,7 @@ def random_proposals(n: int, ranked: int, logprob_rows: int, seed: int = 0):
 
 @pytest.mark.parametrize("ranked,logprob_rows", [(0, 0), (3, 0), (0, 2), (2, 5)])
 def test_one_copy_to_host_gives_each_tensor_back(ranked, logprob_rows):
-    """The packed float64 copy (the path off the host) unpacks to the proposals."""
+    """The packed float64 copy unpacks to the proposals."""
     import torch
 
     from vllm_diffusion.worker.proposal_grid import one_copy_to_host

@@ -38,10 +38,10 @@ from vllm.v1.attention.backend import (
 )
 from vllm.v1.kv_cache_layout import KVCacheLayout
 
-from vllm_diffusion.attention.cpu_attention import (SegmentPlan, attend_segments,
-                                                   cpu_kernel_supports, plan_segments,
+from vllm_diffusion.attention.cpu_attention import (attend_segments, cpu_kernel_supports,
+                                                   plan_segments,
                                                    segmented_block_causal_attention,
-                                                   vllm_cache_halves, write_kv_with_vllm)
+                                                   write_kv_with_vllm)
 from vllm_diffusion.attention.key_selection import attend_with_key_selection, score_prefixes
 from vllm_diffusion.kernels.block_attention import (PaddedPlan, attend_padded,
                                                     padded_block_causal_attention,
@@ -185,33 +185,16 @@ class BlockDiffusionAttentionImpl(AttentionImpl[BlockDiffusionMetadata]):
         # padded torch path; planned once per step by the rows' owner (``plan_step``) and
         # attended per layer, or in one call (``cpu_dense``) for a view without a plan and
         # for the dense rows of a step with a key selection.
-        self.cpu_attention = (plan_segments, self._attend_segments)
+        self.cpu_attention = (plan_segments, attend_segments)
         self.cpu_dense = segmented_block_causal_attention
         # the KV write: vLLM's CPU kernel where its attention runs, else the torch path
-        self.write_kv = self._write_kv_with_vllm if current_platform.is_cpu() else write_kv
-        # the layer's cache and its halves as vLLM's CPU kernels take them, made at the
-        # first call with that cache (a layer's cache is fixed; views, made once)
-        self._cache_halves: tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]] | None = None
+        self.write_kv = write_kv_with_vllm if current_platform.is_cpu() else write_kv
         if current_platform.is_cpu() and not cpu_kernel_supports(head_size):
             logger.info("vllm-diffusion: vLLM's CPU attention has no kernel for head size "
                         "%d; the padded torch attention runs instead", head_size)
             self.cpu_attention = (self._plan_padded, attend_padded)
             self.cpu_dense = padded_block_causal_attention
             self.write_kv = write_kv
-
-    def _halves(self, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if self._cache_halves is None or self._cache_halves[0] is not kv_cache:
-            self._cache_halves = (kv_cache, vllm_cache_halves(kv_cache))
-        return self._cache_halves[1]
-
-    def _write_kv_with_vllm(self, kv_cache: torch.Tensor, key: torch.Tensor,
-                            value: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-        write_kv_with_vllm(kv_cache, key, value, slot_mapping, self._halves(kv_cache))
-
-    def _attend_segments(self, query: torch.Tensor, kv_cache: torch.Tensor,
-                         plan: SegmentPlan, scale: float,
-                         output: torch.Tensor | None = None) -> torch.Tensor:
-        return attend_segments(query, kv_cache, plan, scale, output, self._halves(kv_cache))
 
     def _plan_padded(self, query_positions, query_start_loc, kv_lens, block_table,
                      block_size, num_heads, kv_cache) -> PaddedPlan:

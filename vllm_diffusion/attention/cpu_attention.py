@@ -83,22 +83,20 @@ def plan_segments(query_positions: torch.Tensor, query_start_loc: list[int],
 
 
 def write_kv_with_vllm(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                       slot_mapping: torch.Tensor,
-                       halves: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+                       slot_mapping: torch.Tensor) -> None:
     """``kernels.block_attention.write_kv`` through vLLM's CPU cache-write kernel (one call,
     negative slots skipped), into the split arrangement its attention reads.
 
-    key, value: [T, H_kv, D]; slot_mapping: [T] int64; halves: ``vllm_cache_halves`` of
-    the cache where the caller keeps them (a layer's cache is fixed)."""
-    key_cache, value_cache = halves or vllm_cache_halves(kv_cache)
+    key, value: [T, H_kv, D]; slot_mapping: [T] int64."""
+    key_cache, value_cache = _vllm_cache_halves(kv_cache)
     ops.cpu_attn_reshape_and_cache(key.to(kv_cache.dtype).contiguous(),
                                    value.to(kv_cache.dtype).contiguous(), key_cache,
                                    value_cache, slot_mapping, portable_isa(kv_cache.shape[2]))
 
 
-def vllm_cache_halves(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _vllm_cache_halves(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The key and value halves of a contiguous cache [num_pages, H_kv, page_size, 2D] as
-    vLLM's CPU kernels take them (views: two [num_pages, H_kv, page_size, D])."""
+    vLLM's CPU kernels take them."""
     num_pages, num_kv_heads, page_size, two_d = kv_cache.shape
     if not kv_cache.is_contiguous():
         raise ValueError("vLLM's CPU attention needs a contiguous KV cache")
@@ -107,18 +105,17 @@ def vllm_cache_halves(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
 
 
 def attend_segments(query: torch.Tensor, kv_cache: torch.Tensor, plan: SegmentPlan,
-                    scale: float, output: torch.Tensor | None = None,
-                    halves: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                    scale: float, output: torch.Tensor | None = None) -> torch.Tensor:
     """One layer's attention of the planned rows. query: [T, H, D]; returns [T, H, D],
-    written into ``output`` where given (``halves``: as for ``write_kv_with_vllm``)."""
+    written into ``output`` where given."""
     if output is not None and not output.is_contiguous():  # the kernel writes rows densely
-        output.copy_(attend_segments(query, kv_cache, plan, scale, halves=halves))
+        output.copy_(attend_segments(query, kv_cache, plan, scale))
         return output
     if output is None:
         output = torch.empty_like(query)
     if plan.num_rows == 0:
         return output
-    key_cache, value_cache = halves or vllm_cache_halves(kv_cache)
+    key_cache, value_cache = _vllm_cache_halves(kv_cache)
     ops.cpu_attention_with_kv_cache(
         query=query.contiguous(), key_cache=key_cache, value_cache=value_cache,
         output=output, query_start_loc=plan.query_start_loc, seq_lens=plan.seq_lens,

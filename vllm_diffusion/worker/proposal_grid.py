@@ -2,10 +2,9 @@
 grid of the step's R denoised blocks of B positions.
 
 The pipeline (``proposal.py``) returns one row per computed block position, in request
-order; the policies decide over whole blocks. Off the host, tokens, confidences (and
-entropies, the ranked alternatives and the logprob columns, where asked for) travel to it
-together in one copy, as float64, which holds every token id exactly; on the host (CPU)
-they are placed as they are.
+order; the policies decide over whole blocks. Tokens, confidences (and entropies, the
+ranked alternatives and the logprob columns, where asked for) travel to the host
+together in one copy, as float64, which holds every token id exactly.
 """
 
 from __future__ import annotations
@@ -36,7 +35,7 @@ def scatter_to_host(proposed: Proposals, where: torch.Tensor, num_blocks: int,
                     asks_logprobs: list[bool] | None = None) -> ProposalGrid:
     """``where``: [n, 2] (block, position) of each proposal row; ``asks_logprobs``: per
     block, whether its request asked for logprobs (the rows ``proposed.logprobs`` has)."""
-    tokens, confidence, invalid, entropy, ranked, logprobs = _on_host(proposed)
+    tokens, confidence, invalid, entropy, ranked, logprobs = one_copy_to_host(proposed)
     n = len(tokens)
     shape = (num_blocks, block_size)
     # every position of every block, in order (the common step): the columns are the grid
@@ -70,19 +69,12 @@ def scatter_to_host(proposed: Proposals, where: torch.Tensor, num_blocks: int,
     return grid
 
 
-def _on_host(proposed: Proposals) -> tuple[torch.Tensor | None, ...]:
-    """The proposals' tensors on the host: tokens [n], confidence [n], invalid [n] int8,
-    entropy [n], ranked [n, r] and logprobs [m, C] (None where absent). Off the host they
-    come in one copy, as float64 (which holds every token id exactly); on it, as they
-    are."""
-    if proposed.tokens.device.type == "cpu":
-        return (proposed.tokens, proposed.confidence, proposed.invalid, proposed.entropy,
-                proposed.ranked, proposed.logprobs)
-    return one_copy_to_host(proposed)
-
-
 def one_copy_to_host(proposed: Proposals) -> tuple[torch.Tensor | None, ...]:
-    """``_on_host``'s tensors from one float64 copy of them all (for any device)."""
+    """The proposals' tensors on the host, from one float64 copy of them all: tokens [n],
+    confidence [n], invalid [n], entropy [n], ranked [n, r] and logprobs [m, C] (None
+    where absent). One copy on every device: on CPU it costs a few small operations, and
+    the step's path stays the one a GPU runs (one device read per step,
+    ``tests/test_host_reads.py``)."""
     n = len(proposed.tokens)
     columns = [proposed.tokens, proposed.confidence, proposed.invalid]
     if proposed.entropy is not None:
