@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import struct
 
+from vllm_diffusion.policies.unmasking import step_quota
+
 HOST_STRATEGIES = frozenset({"low_confidence_dynamic", "low_confidence_static",
                              "sequential", "threshold"})
 MAX_HOST_POSITIONS = 256  # R * B; beyond it the tensor path is cheaper
@@ -21,15 +23,6 @@ MAX_HOST_POSITIONS = 256  # R * B; beyond it the tensor path is cheaper
 def as_float32(value: float) -> float:
     """``value`` rounded to the nearest float32 (as ``torch.tensor(value)`` holds it)."""
     return struct.unpack("f", struct.pack("f", value))[0]
-
-
-def quota(block: int, steps_taken: int, steps_allowed: int, num_masked: int) -> int:
-    """SDAR's quota of this step (``unmasking.step_quota``), at most the masked count."""
-    if steps_taken >= steps_allowed:
-        count = block
-    else:
-        count = block // steps_allowed + (steps_taken < block % steps_allowed)
-    return min(count, num_masked)
 
 
 def host_choose_commits(confidence: list[list[float]], masked: list[list[bool]],
@@ -56,7 +49,7 @@ def _block_commits(confidence: list[float], masked: list[bool], steps_taken: int
         best = max(candidates, key=lambda j: (confidence[j], -j))  # the first of ties
         return [masked[j] and (confidence[j] >= threshold or j == best)
                 for j in range(block)]
-    count = quota(block, steps_taken, steps_allowed, len(candidates))
+    count = min(step_quota(block, steps_allowed, steps_taken), len(candidates))
     if strategy == "sequential":
         chosen = set(candidates[:count])
     else:

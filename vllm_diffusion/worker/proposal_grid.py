@@ -70,9 +70,9 @@ def scatter_to_host(proposed: Proposals, where: torch.Tensor, num_blocks: int,
 
 
 def one_copy_to_host(proposed: Proposals) -> tuple[torch.Tensor | None, ...]:
-    """The proposals' tensors on the host, from one float64 copy of them all: tokens [n],
-    confidence [n], invalid [n], entropy [n], ranked [n, r] and logprobs [m, C] (None
-    where absent). One copy on every device: on CPU it costs a few small operations, and
+    """The proposals' tensors on the host, from one float64 copy of them all (float64 views
+    of it; ``scatter_to_host`` casts each as it places it): tokens [n], confidence [n],
+    invalid [n], entropy [n], ranked [n, r] and logprobs [m, C] (None where absent). One copy on every device: on CPU it costs a few small operations, and
     the step's path stays the one a GPU runs (one device read per step,
     ``tests/test_host_reads.py``)."""
     n = len(proposed.tokens)
@@ -87,9 +87,9 @@ def one_copy_to_host(proposed: Proposals) -> tuple[torch.Tensor | None, ...]:
     host = torch.cat(parts).cpu()
     table = host[:len(columns) * n].view(len(columns), n)
     width = 0 if proposed.ranked is None else proposed.ranked.shape[1]
-    return (table[0].long(), table[1].float(), table[2].to(torch.int8),
-            None if proposed.entropy is None else table[3].float(),
-            None if proposed.ranked is None else table[len(columns) - width:].T.long(),
+    return (table[0], table[1], table[2],
+            None if proposed.entropy is None else table[3],
+            None if proposed.ranked is None else table[len(columns) - width:].T,
             None if proposed.logprobs is None
             else host[len(columns) * n:].view(-1, proposed.logprobs.shape[1]))
 
