@@ -35,6 +35,24 @@ def two_cpu_ranks(monkeypatch):
     vllm.envs.disable_envs_cache()
 
 
+@pytest.fixture
+def sparse_calls(monkeypatch):
+    """Layers attended with a key selection, in this process's engines: (requests on the
+    sparse path, requests selecting) per layer call."""
+    from vllm_diffusion.attention import backend
+
+    calls = []
+    original = backend.attend_with_key_selection
+
+    def spy(query, kv_cache, rows, block_table, block_size, selection, *args, **kwargs):
+        calls.append((len(selection.sparse), len(selection.scoring)))
+        return original(query, kv_cache, rows, block_table, block_size, selection, *args,
+                        **kwargs)
+
+    monkeypatch.setattr(backend, "attend_with_key_selection", spy)
+    return calls
+
+
 @pytest.fixture(scope="session")
 def dense_checkpoint(tmp_path_factory) -> pathlib.Path:
     return build_tiny_sdar(tmp_path_factory.mktemp("sdar-dense"), block_size=4)

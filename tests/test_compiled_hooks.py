@@ -5,8 +5,9 @@ engine equals the policies' plain references token for token on a named grid (bl
 and 32; batches of prompts shorter than a block, one block and several blocks, run as
 batches of 1, 3 and 2 requests so the pieces see many row counts), also with the rows
 after a drop padded to buckets (``diffusion_row_buckets``: the padding never changes an
-output); a policy with hooks at other layers compiles the same way; ``--enforce-eager``
-is honoured."""
+output); a policy with hooks at other layers compiles the same way; ``sparse_prefix``,
+whose key selections are made before the forward, runs the model vLLM compiled, whole;
+``--enforce-eager`` is honoured."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from conftest import diffusion_llm
 from reference_early_skip import reference_es_generate
 from reference_focus import reference_focus_generate
 from reference_sdar import ReferenceSDAR
+from reference_sparse_prefix import reference_sparse_prefix_generate
 from test_parity import checkpoint_info, make_prompts
 
 from vllm import SamplingParams
@@ -95,6 +97,35 @@ def test_compiled_hook_policies_equal_their_references(name, four_layer_checkpoi
     assert per_layer[-1] < per_layer[0]  # rows really were dropped inside the forward
     # padding rows were really added where buckets are asked for
     assert (stats["bucket_padding_rows"] > 0) == ("diffusion_row_buckets" in engine)
+
+
+def test_compiled_sparse_prefix_runs_the_whole_forward(four_layer_checkpoint, sparse_calls):
+    """``sparse_prefix`` preselects its keys (``LayerHooks.preselect_keys``): a compiled
+    engine runs its steps through the model vLLM compiled, no pieces made, the sparse
+    attention and the selection inside it, and its greedy output equals the reference."""
+    block_size, checkpoint = 8, four_layer_checkpoint
+    mask_id, stops, vocab_size = checkpoint_info(checkpoint)
+    prompts = make_prompts(block_size, vocab_size, stops | {mask_id}, seed=61)
+    prompts.append(prompts[-1] * 3)  # a longer prefix
+    options = {"strategy": "low_confidence_static", "threshold": 1.0, "retention_ratio": 0.3,
+               "pool_kernel": 3, "delay_steps": 1, "per_kv_head": False}
+    max_tokens = 3 * block_size
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True,
+                            extra_args=options)
+    with diffusion_llm(checkpoint, diffusion_block_size=block_size, enforce_eager=False,
+                       additional_config={"diffusion_policy": "sparse_prefix"}) as llm:
+        assert not llm.llm_engine.vllm_config.model_config.enforce_eager
+        outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params,
+                               use_tqdm=False)
+        runner = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
+        assert not _SEGMENTS.get(runner.model.model)  # no step ran as pieces
+    reference = ReferenceSDAR(checkpoint)
+    for prompt, out in zip(prompts, outputs):
+        assert list(out.outputs[0].token_ids) == reference_sparse_prefix_generate(
+            reference, prompt, block_size=block_size, mask_id=mask_id, max_tokens=max_tokens,
+            **options)
+    assert any(sparse for sparse, _ in sparse_calls)
+    assert any(scoring for _, scoring in sparse_calls)
 
 
 def test_enforce_eager_is_honoured(four_layer_checkpoint):

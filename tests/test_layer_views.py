@@ -2,7 +2,8 @@
 that the rows' owner publishes (``models/step_run.py``), changes nothing it reads, and what
 it selects for a policy (``sparse_prefix``'s kept prefix positions) reaches the policy
 through the hooks after that attention (``StepHooks.after_key_scoring``), not from inside
-the attention."""
+the attention; preselected keys (``LayerHooks.preselect_keys``) go into the views before a
+whole forward and their selections to the hooks after it."""
 
 from __future__ import annotations
 
@@ -17,11 +18,13 @@ from vllm_diffusion.attention.backend import (BlockDiffusionAttentionImpl,
                                               BlockDiffusionMetadata)
 from vllm_diffusion.kernels.block_attention import block_causal_attention
 from vllm_diffusion.kernels.sparse_prefix import select_prefix
-from vllm_diffusion.models.step_run import LayerViews, StepRun
+from vllm_diffusion.models.step_run import (LayerViews, StepRun, hand_selected,
+                                            publish_preselected_keys)
 from vllm_diffusion.policies.sparse_prefix import (SparsePrefixConfig, SparsePrefixHooks,
                                                    SparsePrefixState)
 from vllm_diffusion.step.hooks import (ForwardStep, LayerHooks, RowSelection, StepHooks,
                                        StepRequest)
+from vllm_diffusion.step.keys import KeySelection
 from vllm_diffusion.step.rows import StepRows
 
 HEADS, KV_HEADS, DIM, PAGE, BLOCK = 4, 2, 32, 16, 8
@@ -107,9 +110,10 @@ def test_a_view_cannot_be_changed():
         views["layer0"].attention_plan = None
 
 
-def sparse_prefix_step(per_kv_head: list[bool], keep: list[int]):
+def sparse_prefix_step(per_kv_head: list[bool], keep: list[int], whole: bool = False):
     """A two-layer step of two requests that select their kept prefix positions; returns
-    the hooks, the run, its views, the attention and a KV cache holding the prefixes."""
+    the hooks, the run (with ``whole``: the output slots of the views published for a
+    whole forward), its views, the attention and a KV cache holding the prefixes."""
     gen = torch.Generator().manual_seed(7)
     impl = BlockDiffusionAttentionImpl(HEADS, DIM, DIM ** -0.5, num_kv_heads=KV_HEADS)
     pages = [-(-(prefix + rows) // PAGE) for prefix, rows in REQUESTS]
@@ -146,6 +150,9 @@ def sparse_prefix_step(per_kv_head: list[bool], keep: list[int]):
     hooks = SparsePrefixHooks(step, 2, KV_HEADS, scoring, [])
     views = LayerViews(["layer0", "layer1"], block_table, BLOCK,
                        lambda view: impl.plan_step(view, kv_cache))
+    if whole:
+        return hooks, publish_preselected_keys(hooks, rows, views), views.by_name, impl, \
+            kv_cache
     run = StepRun(hooks, torch.ones(loc[-1], dtype=torch.bool), rows, views)
     return hooks, run, views.by_name, impl, kv_cache
 
@@ -170,6 +177,7 @@ def test_the_attention_changes_nothing_it_reads(monkeypatch):
     _, _, views, impl, kv_cache = sparse_prefix_step([False, True], [4, 3])
     view = views["layer0"]  # before the hooks: the dense view every layer shares
     assert view.attention_plan is None  # every layer selects keys: nothing to plan
+    assert view.key_selection is None
     gen = torch.Generator().manual_seed(3)
     rows = view.num_queries
     query = torch.randn(rows, HEADS, DIM, generator=gen)
@@ -227,3 +235,64 @@ def test_sparse_prefix_selection_reaches_the_policy_through_the_hooks(monkeypatc
         torch.testing.assert_close(output, block_causal_attention(
             query, kv_cache, view.query_positions, list(loc), list(view.kv_lens),
             view.block_table, BLOCK, DIM ** -0.5), rtol=1e-5, atol=1e-5)
+
+
+def test_preselected_keys_reach_the_policy_after_a_whole_forward(monkeypatch):
+    """Hooks that only preselect keys leave the model whole: every layer's view carries
+    its selection and output slot before the forward, the attention fills the slot, and
+    the policy's state changes only when the slots are handed over after the forward."""
+    monkeypatch.setattr(backend, "get_tensor_model_parallel_world_size", lambda: 1)
+    per_kv_head, keep = [True, False], [5, 2]
+    hooks, slots, views, impl, kv_cache = sparse_prefix_step(per_kv_head, keep, whole=True)
+    assert not hooks.layers.between_layers
+    assert sorted(slots) == [0, 1]
+    states = [request.policy_state for request in hooks.scoring_requests.values()]
+    gen = torch.Generator().manual_seed(5)
+    rows = sum(n for _, n in REQUESTS)
+    queries = []
+    for layer in range(2):
+        view = views[f"layer{layer}"]
+        assert view.selected_prefix is slots[layer] and view.selected_prefix == {}
+        assert [s.request for s in view.key_selection.scoring] == [0, 1]
+        query = torch.randn(rows, HEADS, DIM, generator=gen)
+        queries.append(query)
+        impl.forward(None, query, torch.randn(rows, KV_HEADS, DIM, generator=gen),
+                     torch.randn(rows, KV_HEADS, DIM, generator=gen), kv_cache, view,
+                     torch.empty_like(query))
+        assert sorted(view.selected_prefix) == [0, 1]
+    assert all(bool((state.kept == -1).all()) for state in states)  # not handed over yet
+    hand_selected(hooks, slots)
+    loc = views["layer0"].query_start_loc
+    for layer, query in enumerate(queries):
+        for r, state in enumerate(states):
+            want = select_prefix(query[loc[r]:loc[r + 1]], kv_cache,
+                                 views["layer0"].block_table[r], REQUESTS[r][0], DIM ** -0.5,
+                                 keep[r], 3, per_kv_head[r])
+            assert torch.equal(state.kept[layer], want)
+
+
+def test_a_step_with_hooks_between_layers_still_honours_preselected_keys():
+    """Preselected keys next to a hook between layers: the run puts each selection in its
+    layer's view at that layer."""
+    _, _, views, _, _ = sparse_prefix_step([False, False], [3, 3])
+    selection = KeySelection([8, 8], [16, 8], [0], torch.zeros(1, 1, 3, dtype=torch.long), [])
+
+    class Both(StepHooks):
+        layers = LayerHooks(after_output=(0,), preselect_keys=(1,))
+
+        def preselected_keys(self, layer):
+            return selection
+
+    rows = views["layer0"]
+    step_rows = StepRows(rows.query_positions, rows.slot_mapping, rows.query_start_loc,
+                         rows.kv_lens)
+    layer_views = LayerViews(["layer0", "layer1"], rows.block_table, BLOCK, None)
+    run = StepRun(Both(), torch.ones(rows.num_queries, dtype=torch.bool), step_rows,
+                  layer_views)
+    assert layer_views.by_name["layer1"].key_selection is None
+    attention = SimpleNamespace(num_heads=HEADS, num_kv_heads=KV_HEADS, head_dim=DIM,
+                                scaling=DIM ** -0.5)
+    run.before_attention(1, attention, torch.zeros(rows.num_queries, HEADS * DIM),
+                         torch.zeros(rows.num_queries, KV_HEADS * DIM))
+    assert layer_views.by_name["layer1"].key_selection is selection
+    assert layer_views.by_name["layer0"].key_selection is None

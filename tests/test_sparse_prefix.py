@@ -18,7 +18,6 @@ from test_parity import checkpoint_info, make_prompts
 from vllm import SamplingParams
 from vllm.inputs import TokensPrompt
 
-from vllm_diffusion.attention import backend
 from vllm_diffusion_lab.fixtures.tiny_sdar import build_tiny_sdar
 
 pytestmark = pytest.mark.engine
@@ -27,21 +26,6 @@ pytestmark = pytest.mark.engine
 @pytest.fixture(scope="module")
 def three_layer_checkpoint(tmp_path_factory):
     return build_tiny_sdar(tmp_path_factory.mktemp("sdar-3-layers"), num_layers=3, seed=5)
-
-
-@pytest.fixture
-def sparse_calls(monkeypatch):
-    """Layers attended with at least one request on the sparse path."""
-    calls = []
-    original = backend.attend_with_key_selection
-
-    def spy(query, kv_cache, rows, block_table, block_size, selection, *args, **kwargs):
-        calls.append((len(selection.sparse), len(selection.scoring)))
-        return original(query, kv_cache, rows, block_table, block_size, selection, *args,
-                        **kwargs)
-
-    monkeypatch.setattr(backend, "attend_with_key_selection", spy)
-    return calls
 
 
 @pytest.mark.parametrize("block_size,per_kv_head", [(16, True)])

@@ -3,8 +3,9 @@
 The Triton kernel is compared with the torch reference natively where CUDA is available,
 otherwise through Triton's interpreter in a subprocess (see ``kernel_harness``); run as a
 script, this file prints the maximum error of every case as JSON. The vectorised torch
-path (the CPU one) is compared with the reference directly, and keeping every prefix
-position must give exactly the dense block-causal attention.
+path and vLLM's CPU kernel over the kept keys' stores (the CPU paths) are compared with
+the reference directly, and keeping every prefix position must give exactly the dense
+block-causal attention.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import torch
 from kernel_harness import kernel_errors, torch_side
 from paged_cases import make_case
 
+from vllm_diffusion.attention.cpu_attention import cpu_kernel_supports, kept_pages_attention
 from vllm_diffusion.kernels.block_attention import block_causal_attention, gather_kv
 from vllm_diffusion.kernels.kv_pages import key_value_views
 from vllm_diffusion.kernels.sparse_prefix import (KeptKV, compacted_sparse_prefix_attention,
@@ -88,24 +90,63 @@ def test_gathered_torch_path_matches_reference(case):
                                rtol=tolerance(case), atol=tolerance(case))
 
 
-@pytest.mark.parametrize("case", GRID.values(), ids=GRID.keys())
-def test_compacted_torch_path_matches_reference_across_steps(case):
-    """The CPU path's stores, filled on the first call, serve a second call whose block
-    keys changed (a later step of the block): both equal the reference."""
-    args = torch_side(sparse_case(*case, device="cpu"))
+def attend_over_two_steps(path, args, tol) -> list[KeptKV]:
+    """``path`` with stores, on a first call and on a second whose block keys changed (a
+    later step of the block), each against the reference; returns the stores."""
     stores = [KeptKV() for _ in args[4]]
-    tol = tolerance(case)
-    for step in range(2):
-        got = compacted_sparse_prefix_attention(*args, stores)
-        torch.testing.assert_close(got.float(), sparse_prefix_attention(*args).float(),
-                                   rtol=tol, atol=tol)
+    for _ in range(2):
+        torch.testing.assert_close(path(*args, stores).float(),
+                                   sparse_prefix_attention(*args).float(), rtol=tol, atol=tol)
         kv_cache, table, page = args[1], args[5], args[1].shape[2]
         for r, (start, end) in enumerate(zip(args[9], args[4])):
             for position in range(start, end):  # the block's keys change, the rest stays
                 for view in key_value_views(kv_cache):
                     view[table[r, position // page], :, position % page] += 0.5
+    return stores
+
+
+@pytest.mark.parametrize("case", GRID.values(), ids=GRID.keys())
+def test_compacted_torch_path_matches_reference_across_steps(case):
+    """The CPU path's stores, filled on the first call, serve a second call whose block
+    keys changed (a later step of the block): both equal the reference."""
+    args = torch_side(sparse_case(*case, device="cpu"))
+    stores = attend_over_two_steps(compacted_sparse_prefix_attention, args, tolerance(case))
     assert all(s.keys is not None and s.keys.shape[1] == s.kept + n - p
                for s, n, p in zip(stores, args[4], args[9]))
+
+
+VLLM_GRID = {name: case for name, case in GRID.items()
+             if case[2] % 16 == 0 and not case[7] and cpu_kernel_supports(case[5])}
+
+
+@pytest.mark.parametrize("case", VLLM_GRID.values(), ids=VLLM_GRID.keys())
+def test_vllm_kernel_path_matches_reference_across_steps(case):
+    """vLLM's CPU kernel over each request's store (the CPU path where vLLM has a kernel
+    for the head size; its pages a multiple of 16 positions, the cache contiguous): the
+    store filled on the first call serves a second call whose block keys changed."""
+    args = torch_side(sparse_case(*case, device="cpu"))
+    stores = attend_over_two_steps(kept_pages_attention, args, tolerance(case))
+    block = case[1]
+    if any((start + rows - 1) // block > start // block for start, rows, _ in case[0]):
+        # rows over several diffusion blocks (a mask inside the block): the torch path
+        assert all(s.pages is None and s.keys is not None for s in stores)
+        return
+    assert all(s.pages is not None and len(s.block_slots) == n - p
+               and s.pages.shape[0] * s.pages.shape[2] >= s.kept + n - p
+               for s, n, p in zip(stores, args[4], args[9]))
+    assert all(s.keys is None for s in stores)  # the torch path's store stayed unused
+
+
+def test_vllm_kernel_path_masks_rows_over_several_blocks():
+    """Rows that reach over more than one diffusion block need a mask inside the block:
+    that call takes the torch path, and equals the reference."""
+    requests = [(32, 16, 48)]  # 16 rows at positions 32-47 with diffusion blocks of 8
+    args = torch_side(sparse_case(requests, 8, 16, 4, 2, 32, torch.float32, False, 0.5, False,
+                                  device="cpu"))
+    stores = [KeptKV()]
+    torch.testing.assert_close(kept_pages_attention(*args, stores),
+                               sparse_prefix_attention(*args), rtol=1e-5, atol=1e-5)
+    assert stores[0].pages is None and stores[0].keys is not None
 
 
 def test_kept_context_after_the_block():
@@ -132,6 +173,13 @@ def test_kept_context_after_the_block():
         torch.testing.assert_close(path(*args), want, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(compacted_sparse_prefix_attention(*args, [KeptKV()]), want,
                                rtol=1e-5, atol=1e-5)
+    if cpu_kernel_supports(32):
+        page16 = make_case([(block_start, rows, 1)], [end], 8, 16, 4, 2, 32, torch.float32,
+                           False, "cpu")
+        args16 = (*page16[:4], [block_start + rows], page16[5], span, scale, kept_index,
+                  [block_start])
+        torch.testing.assert_close(kept_pages_attention(*args16, [KeptKV()]),
+                                   sparse_prefix_attention(*args16), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("case", [c for c in GRID.values() if c[6] == torch.float32],

@@ -65,6 +65,9 @@ class RecordingHooks(StepHooks):
     def select_keys(self, layer_input: LayerInput):
         return self.inner.select_keys(layer_input) if self.inner is not None else None
 
+    def preselected_keys(self, layer: int):
+        return self.inner.preselected_keys(layer) if self.inner is not None else None
+
     def after_key_scoring(self, layer: int, selected) -> None:
         if self.inner is not None:
             self.inner.after_key_scoring(layer, selected)

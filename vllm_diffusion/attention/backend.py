@@ -39,7 +39,7 @@ from vllm.v1.attention.backend import (
 from vllm.v1.kv_cache_layout import KVCacheLayout
 
 from vllm_diffusion.attention.cpu_attention import (attend_segments, cpu_kernel_supports,
-                                                   plan_segments,
+                                                   kept_pages_attention, plan_segments,
                                                    segmented_block_causal_attention,
                                                    write_kv_with_vllm)
 from vllm_diffusion.attention.key_selection import attend_with_key_selection, score_prefixes
@@ -187,6 +187,8 @@ class BlockDiffusionAttentionImpl(AttentionImpl[BlockDiffusionMetadata]):
         # for the dense rows of a step with a key selection.
         self.cpu_attention = (plan_segments, attend_segments)
         self.cpu_dense = segmented_block_causal_attention
+        # the key-sparse attention (Sparse-dLLM): vLLM's kernel over each request's store
+        self.cpu_sparse = kept_pages_attention
         # the KV write: vLLM's CPU kernel where its attention runs, else the torch path
         self.write_kv = write_kv_with_vllm if current_platform.is_cpu() else write_kv
         if current_platform.is_cpu() and not cpu_kernel_supports(head_size):
@@ -194,6 +196,7 @@ class BlockDiffusionAttentionImpl(AttentionImpl[BlockDiffusionMetadata]):
                         "%d; the padded torch attention runs instead", head_size)
             self.cpu_attention = (self._plan_padded, attend_padded)
             self.cpu_dense = padded_block_causal_attention
+            self.cpu_sparse = kernel("sparse_prefix_attention", torch.device("cpu"))
             self.write_kv = write_kv
 
     def _plan_padded(self, query_positions, query_start_loc, kv_lens, block_table,
@@ -244,6 +247,8 @@ class BlockDiffusionAttentionImpl(AttentionImpl[BlockDiffusionMetadata]):
                                                 block_table, block_size, self.scale)
             return output
         dense = kernel("block_attention", query.device) if on_cuda else self.cpu_dense
+        sparse = (kernel("sparse_prefix_attention", query.device) if on_cuda
+                  else self.cpu_sparse)
         tp_size = get_tensor_model_parallel_world_size()
         sum_heads = tensor_model_parallel_all_reduce if tp_size > 1 else None
         if selection.scoring:
@@ -255,7 +260,7 @@ class BlockDiffusionAttentionImpl(AttentionImpl[BlockDiffusionMetadata]):
                 self.scale, sum_heads, self.num_heads * tp_size, view.kv_lens))
         output_rows[:] = attend_with_key_selection(
             query_rows, kv_cache, view, block_table, block_size, selection, self.scale,
-            dense, kernel("sparse_prefix_attention", query.device))
+            dense, sparse)
         return output
 
 

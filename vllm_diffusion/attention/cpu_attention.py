@@ -14,6 +14,12 @@ kernels (``vec16``, or ``vec`` for pages of a multiple of 32 positions) read.
 ``segmented_block_causal_attention`` has the signature of
 ``kernels.block_attention.block_causal_attention`` and is tested against it on the
 kernel grid.
+
+Sparse-dLLM's key-sparse attention runs on the same kernel (``kept_pages_attention``, the
+signature of ``kernels.sparse_prefix.sparse_prefix_attention``): each sparse request's
+kept keys and values are copied once per layer and selection into a small paged cache of
+its own (``KeptKV.pages``), each call writes the block's keys after them, and the block's
+rows attend over that cache non-causally in one kernel call.
 """
 
 from __future__ import annotations
@@ -23,6 +29,10 @@ import dataclasses
 import torch
 
 from vllm import _custom_ops as ops
+
+from vllm_diffusion.kernels.kv_pages import key_value_views
+from vllm_diffusion.kernels.sparse_prefix import (KeptKV, compacted_sparse_prefix_attention,
+                                                    stored_requests)
 
 
 @dataclasses.dataclass
@@ -134,3 +144,68 @@ def segmented_block_causal_attention(query: torch.Tensor, kv_cache: torch.Tensor
     plan = plan_segments(query_positions, query_start_loc, kv_lens, block_table,
                          diffusion_block_size, query.shape[1], kv_cache)
     return attend_segments(query, kv_cache, plan, scale)
+
+
+def kept_pages_attention(query: torch.Tensor, kv_cache: torch.Tensor,
+                         query_positions: torch.Tensor, query_start_loc: list[int],
+                         kv_lens: list[int], block_table: torch.Tensor,
+                         diffusion_block_size: int, scale: float, kept_index: torch.Tensor,
+                         prefix_lens: list[int],
+                         kept_kv: list[KeptKV] | None = None) -> torch.Tensor:
+    """``sparse_prefix_attention`` through vLLM's CPU kernel over each request's store
+    (``KeptKV.pages``): filled with the kept positions' keys and values on its first call
+    (key slot t of KV head h holds that head's t-th kept position: the rows attend to the
+    store non-causally, so the order of keys does not matter), then each call writes the
+    block's keys after them and attends. Without stores, and where a request's rows reach
+    over more than one diffusion block (a mask inside the block), the torch path runs."""
+    row_blocks = query_positions.tolist()
+    if kept_kv is None or any(
+            (kv_lens[r] - 1) // diffusion_block_size
+            > min(row_blocks[query_start_loc[r]:query_start_loc[r + 1]] or [1 << 62])
+            // diffusion_block_size for r in range(len(kv_lens))):
+        return compacted_sparse_prefix_attention(
+            query, kv_cache, query_positions, query_start_loc, kv_lens, block_table,
+            diffusion_block_size, scale, kept_index, prefix_lens, kept_kv)
+    output = torch.empty_like(query)
+    views = key_value_views(kv_cache)
+    heads = torch.arange(kv_cache.shape[1], device=query.device)[:, None]
+    for request in stored_requests(query_start_loc, kv_lens, block_table, prefix_lens,
+                                   kept_kv, query.device):
+        store, rows = request.store, request.rows
+        if store.pages is None or len(store.block_slots) != request.block:
+            _fill_kept_pages(store, *request.kept_kv(kept_index, views, heads), request.block,
+                             kv_cache)
+        if store.plan is None or store.plan.num_rows != rows.stop - rows.start:
+            store.plan = _store_plan(store, rows.stop - rows.start, query.shape[1], kv_cache)
+        block_keys, block_values = request.block_kv(views, heads)  # [H_kv, n, D] each
+        write_kv_with_vllm(store.pages, block_keys.transpose(0, 1),
+                           block_values.transpose(0, 1), store.block_slots)
+        attend_segments(query[rows], store.pages, store.plan, scale, output[rows])
+    return output
+
+
+def _fill_kept_pages(store: KeptKV, keys: torch.Tensor, values: torch.Tensor, block: int,
+                     kv_cache: torch.Tensor) -> None:
+    """A new store of the kept positions' keys and values ([H_kv, K, D] each) with room for
+    ``block`` keys after them."""
+    store.kept = keys.shape[1]
+    num_pages = -(-(store.kept + block) // kv_cache.shape[2])
+    store.pages = kv_cache.new_zeros(num_pages, *kv_cache.shape[1:])
+    write_kv_with_vllm(store.pages, keys.transpose(0, 1), values.transpose(0, 1),
+                       torch.arange(store.kept, device=kv_cache.device))
+    store.block_slots = torch.arange(store.kept, store.kept + block, device=kv_cache.device)
+    store.plan = None
+
+
+def _store_plan(store: KeptKV, rows: int, num_heads: int, kv_cache: torch.Tensor
+                ) -> SegmentPlan:
+    """vLLM's kernel plan for ``rows`` query rows over the whole store."""
+    loc = torch.tensor([0, rows], dtype=torch.int32)
+    seq_lens = torch.tensor([store.kept + len(store.block_slots)], dtype=torch.int32)
+    _, num_kv_heads, page_size, two_d = store.pages.shape
+    metadata = ops.cpu_attn_get_scheduler_metadata(
+        num_reqs=1, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=two_d // 2,
+        seq_lens=seq_lens, dtype=kv_cache.dtype, query_start_loc=loc, causal=False,
+        sliding_window_size=-1, isa=portable_isa(page_size), enable_kv_split=False)
+    table = torch.arange(store.pages.shape[0], dtype=torch.int32)[None]
+    return SegmentPlan(loc, seq_lens, table, metadata, rows)

@@ -18,8 +18,10 @@ does; per KV head: over the heads of its group), max-pooled over that order (ker
 stride 1, padding s // 2), and the top ``keep`` positions are kept, ties to the earlier.
 
 The Triton kernel (``triton_sparse_prefix``) has the signature of
-``sparse_prefix_attention``; tests compare the attention paths on a named grid. The CPU
-path (``compacted_sparse_prefix_attention``) keeps each request's kept keys and values
+``sparse_prefix_attention``; tests compare the attention paths on a named grid. On CPU the
+backend runs vLLM's CPU kernel over a per-request store of the kept keys
+(``attention.cpu_attention.kept_pages_attention``, same signature) where it has a kernel
+for the head size; the torch path (``compacted_sparse_prefix_attention``) keeps each request's kept keys and values
 gathered once per layer and block (``KeptKV``, which the policy holds for the block: the
 kept positions' KV does not change while the selection stands), with room for the block's
 keys after them, so a step reads only its block's keys from the pages; without stores it
@@ -29,6 +31,7 @@ kernel take the stores and ignore them.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 import torch
@@ -84,13 +87,71 @@ def select_prefix(block_query: torch.Tensor, kv_cache: torch.Tensor, page_ids: t
 
 class KeptKV:
     """One request's kept context keys and values at one layer for the current selection
-    (the CPU path's store): [H_kv, K + n, D] each, the K kept positions in ascending order
-    then room for the n block keys a step writes; None until the first sparse step."""
+    (the CPU paths' store), None until the first sparse step. The torch path keeps
+    ``keys`` and ``values``, [H_kv, K + n, D] each: the K kept positions in ascending order,
+    then room for the n block keys a step writes. vLLM's CPU kernel
+    (``attention.cpu_attention.kept_pages_attention``) keeps ``pages``, a small paged cache
+    of the request's own in the split arrangement ([P, H_kv, page_size, 2D]: the kept
+    positions at slots [0, K), the block's keys after them), and its call's ``plan``."""
 
     def __init__(self) -> None:
         self.keys: torch.Tensor | None = None
         self.values: torch.Tensor | None = None
         self.kept = 0  # K
+        self.pages: torch.Tensor | None = None
+        self.plan = None  # vLLM's kernel plan for the store (``SegmentPlan``)
+        self.block_slots: torch.Tensor | None = None  # [n] the block keys' slots
+
+
+def kept_positions_kv(kept: torch.Tensor, table: torch.Tensor,
+                      views: tuple[torch.Tensor, torch.Tensor], heads: torch.Tensor
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The keys and values, [H_kv, K, D] each, of one request's kept positions (kept:
+    [H_kv, K_w] ascending, -1 padding at the end; ``table`` its pages; ``views`` the
+    cache's ``key_value_views``; ``heads``: [H_kv, 1] the KV head indices)."""
+    count = int((kept[0] >= 0).sum())
+    kept = kept[:, :count]  # [H_kv, K]
+    page_size = views[0].shape[2]
+    pages, offsets = table[kept // page_size], kept % page_size
+    return views[0][pages, heads, offsets], views[1][pages, heads, offsets]
+
+
+@dataclasses.dataclass
+class StoredRequest:
+    """One request of a call over kept-key stores: its rows, store, pages and block."""
+
+    index: int
+    rows: slice  # its query rows
+    store: KeptKV
+    table: torch.Tensor  # [max_pages] its pages
+    block: int  # its block's key count n
+    prefix_len: int
+
+    def kept_kv(self, kept_index: torch.Tensor, views, heads: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Its kept positions' keys and values, [H_kv, K, D] each."""
+        return kept_positions_kv(kept_index[self.index].to(heads.device), self.table, views,
+                                 heads)
+
+    def block_kv(self, views, heads: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Its block's keys and values as the pages hold them now, [H_kv, n, D] each."""
+        positions = torch.arange(self.prefix_len, self.prefix_len + self.block,
+                                 device=heads.device)
+        page_size = views[0].shape[2]
+        pages, offsets = self.table[positions // page_size], positions % page_size
+        return (views[0][pages[None], heads, offsets[None]],
+                views[1][pages[None], heads, offsets[None]])
+
+
+def stored_requests(query_start_loc: list[int], kv_lens: list[int],
+                    block_table: torch.Tensor, prefix_lens: list[int],
+                    kept_kv: list[KeptKV], device: torch.device) -> list[StoredRequest]:
+    """The requests of a call over stores that have rows."""
+    return [StoredRequest(r, slice(query_start_loc[r], query_start_loc[r + 1]), store,
+                          block_table[r].to(device), kv_lens[r] - prefix_lens[r],
+                          prefix_lens[r])
+            for r, store in enumerate(kept_kv)
+            if query_start_loc[r + 1] > query_start_loc[r]]
 
 
 def sparse_prefix_attention(query: torch.Tensor, kv_cache: torch.Tensor,
@@ -151,29 +212,25 @@ def compacted_sparse_prefix_attention(query: torch.Tensor, kv_cache: torch.Tenso
             diffusion_block_size, scale, kept_index, prefix_lens)
     output = torch.empty_like(query)
     num_heads, head_size = query.shape[1], query.shape[2]
-    page_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[1]
+    num_kv_heads = kv_cache.shape[1]
     group = num_heads // num_kv_heads
-    keys_view, values_view = key_value_views(kv_cache)
+    views = key_value_views(kv_cache)
     heads = torch.arange(num_kv_heads, device=query.device)[:, None]
-    for r, store in enumerate(kept_kv):
-        start, end = query_start_loc[r], query_start_loc[r + 1]
-        if start == end:
-            continue
-        table = block_table[r].to(query.device)
-        block = kv_lens[r] - prefix_lens[r]
+    for request in stored_requests(query_start_loc, kv_lens, block_table, prefix_lens,
+                                   kept_kv, query.device):
+        store, block, r = request.store, request.block, request.index
+        start, end = request.rows.start, request.rows.stop
         if store.keys is None or store.keys.shape[1] != store.kept + block:
-            kept = kept_index[r].to(query.device)  # [H_kv, K_w], -1 padding at the end
-            store.kept = int((kept[0] >= 0).sum())
-            kept = kept[:, :store.kept]  # [H_kv, K]
+            kept_keys, kept_values = request.kept_kv(kept_index, views, heads)
+            store.kept = kept_keys.shape[1]
             store.keys = query.new_empty(num_kv_heads, store.kept + block, head_size)
             store.values = torch.empty_like(store.keys)
-            pages, offsets = table[kept // page_size], kept % page_size
-            store.keys[:, :store.kept] = keys_view[pages, heads, offsets]
-            store.values[:, :store.kept] = values_view[pages, heads, offsets]
+            store.keys[:, :store.kept] = kept_keys
+            store.values[:, :store.kept] = kept_values
+        block_keys, block_values = request.block_kv(views, heads)  # [H_kv, n, D] each
+        store.keys[:, store.kept:] = block_keys
+        store.values[:, store.kept:] = block_values
         positions = torch.arange(prefix_lens[r], kv_lens[r], device=query.device)
-        pages, offsets = table[positions // page_size], positions % page_size
-        store.keys[:, store.kept:] = keys_view[pages[None], heads, offsets[None]]
-        store.values[:, store.kept:] = values_view[pages[None], heads, offsets[None]]
         rows = end - start
         grouped = query[start:end].view(rows, num_kv_heads, group, head_size).permute(
             1, 2, 0, 3).reshape(num_kv_heads, group * rows, head_size)

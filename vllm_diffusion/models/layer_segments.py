@@ -2,11 +2,13 @@
 
 A forward is a chain of half layers: unit 2l is layer l's ``attention_inputs`` (norm and
 projections), unit 2l + 1 its ``attention_output`` (attention, norm and MLP). A step's
-hooks run between units (``step_run``): ``before_attention`` and ``select_keys`` of
-layer l after unit 2l (``select_keys`` has an ``after_attention`` after unit 2l + 1, which
-hands what the attention selected to the hooks), ``after_output`` of layer l after unit
-2l + 1. The units between two hook points form a piece, compiled once by ``torch.compile``
-with a dynamic row dimension, so the rows a hook keeps go through the later layers
+hooks run between units (``step_run``): ``before_attention`` and ``select_keys`` (or
+a ``preselect_keys`` layer's selection, on a step that also has hooks between layers) of
+layer l after unit 2l (a key selection has an ``after_attention`` after unit 2l + 1, which hands
+what the attention selected to the hooks), ``after_output`` of layer l after unit 2l + 1.
+A step whose hooks only preselect keys does not come here: the model runs whole. The
+units between two hook points form a piece, compiled once by ``torch.compile`` with a
+dynamic row dimension, so the rows a hook keeps go through the later layers
 compiled, whatever their number. The hooks themselves, which make data-dependent choices
 on the host, run eagerly between the pieces.
 
@@ -17,9 +19,9 @@ piece (no piece's traced code reads a view). Each piece gets its own copy of the
 object that runs it, so torch.compile caches its graphs per piece (the recompile limit
 counts per code object).
 Pieces compile on their first use; with ``--enforce-eager`` they run eagerly, and so do
-the pieces of a hook set with a hook at every layer (``sparse_prefix``'s key selection:
-no piece spans a whole layer, so compiling its 2L half layers cost 8 s at the first
-sparse step and saved nothing, measured on the default model).
+the pieces of a hook set with a hook at every layer (no piece spans a whole layer:
+compiling the 2L half layers of a key selection at every layer cost 8 s at its first step
+and saved nothing, measured on the default model).
 """
 
 from __future__ import annotations
@@ -36,7 +38,9 @@ from vllm_diffusion.step.hooks import LayerHooks
 def piece_boundaries(declared: LayerHooks, num_layers: int) -> list[tuple[int, int]]:
     """(first unit, last unit) of each piece, in order, for hooks at ``declared`` layers."""
     cuts = {2 * num_layers - 1}
-    for layer in declared.select_keys:  # its selection's result goes to the hooks
+    # a key selection goes into its layer's view before the attention, and what that
+    # attention selected to the hooks after it
+    for layer in (*declared.select_keys, *declared.preselect_keys):
         cuts |= {2 * layer, 2 * layer + 1}
     cuts |= {2 * layer for layer in declared.before_attention}
     for layer in declared.after_output:
@@ -105,7 +109,8 @@ class LayerSegments:
     def __init__(self, layers: list[nn.Module], declared: LayerHooks, compiled: bool,
                  embed: nn.Module, final_norm: nn.Module) -> None:
         self.layers = layers
-        self.hooked_attention = {*declared.before_attention, *declared.select_keys}
+        self.hooked_attention = {*declared.before_attention, *declared.select_keys,
+                                 *declared.preselect_keys}
         boundaries = piece_boundaries(declared, len(layers))
         self.compiled = compiled and any(last > first for first, last in boundaries)
         self.final_norm = final_norm

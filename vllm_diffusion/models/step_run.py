@@ -84,6 +84,33 @@ class LayerViews:
             self.by_name[name] = view
 
 
+def publish_preselected_keys(hooks: StepHooks, step_rows: StepRows,
+                             views: LayerViews) -> dict[int, SelectedPrefix]:
+    """The views of a step whose hooks only preselect keys (``LayerHooks.preselect_keys``,
+    nothing between layers: the model runs whole): every layer reads one view of the rows,
+    a preselecting layer's carries its key selection and, where it has scoring requests, an
+    output slot. Returns those slots by layer, for ``hand_selected`` after the forward."""
+    declared = hooks.layers
+    selections = {layer: hooks.preselected_keys(layer) for layer in declared.preselect_keys}
+    selections = {layer: s for layer, s in selections.items() if s is not None}
+    dense = views.view(step_rows, planned=len(selections) < len(views.layer_names))
+    views.publish(dense, 0)
+    slots: dict[int, SelectedPrefix] = {}
+    for layer, selection in selections.items():
+        slot: SelectedPrefix | None = {} if selection.scoring else None
+        if slot is not None:
+            slots[layer] = slot
+        views.publish(dense.with_key_selection(selection, slot), layer, layer + 1)
+    return slots
+
+
+def hand_selected(hooks: StepHooks, slots: dict[int, SelectedPrefix]) -> None:
+    """After the forward of ``publish_preselected_keys``' views: what each preselecting
+    layer's attention selected goes to the hooks, layer by layer."""
+    for layer in sorted(slots):
+        hooks.after_key_scoring(layer, slots[layer])
+
+
 class StepRun:
     """One forward of a diffusion step with hooks: the hooks in, its surviving rows out;
     owns the step's rows and publishes each layer's view of them."""
@@ -106,7 +133,10 @@ class StepRun:
         self.layer_block_rows: list[int] = []  # per layer
         self._block_count = int(block_rows.sum())
         num_layers = len(views.layer_names)
-        selecting = set(self.declared.select_keys)
+        selecting = {*self.declared.select_keys, *self.declared.preselect_keys}
+        # the preselecting layers' key selections, made before the forward
+        self._preselected = {layer: hooks.preselected_keys(layer)
+                         for layer in self.declared.preselect_keys}
         # The last layer whose attention is dense for sure: views for it and the layers
         # before it carry the attention's plan (a layer with a key selection plans none)
         self._last_dense_layer = max(
@@ -131,6 +161,8 @@ class StepRun:
                 key_selection = self.hooks.select_keys(layer_input)
             if layer in declared.before_attention:
                 selection = self.hooks.before_attention(layer_input)
+        if layer in self._preselected:
+            key_selection = self._preselected[layer]
         view = self._view
         if selection is not None:
             entering_keys = self.step_rows.slot_mapping

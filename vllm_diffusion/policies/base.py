@@ -16,7 +16,9 @@ calls, in order (``begin_step`` first, with every scheduled request):
    before its attention (``before_attention``: may drop rows; their KV at that layer is
    still stored), after a layer's output (``after_output``: may drop rows), and inside
    attention (``select_keys``: which committed-prefix keys each request's block rows see;
-   what the attention selected comes back through ``after_key_scoring``);
+   ``preselect_keys`` when the selection reads nothing the forward computes: made before
+   it, and the model runs whole; what the attention selected comes back through
+   ``after_key_scoring``);
 3. ``unmasking.choose_commits(batch)`` once for all requests: which masked positions to
    unmask (and ``unmasking.scheduled_idle(batch)``: which blocks' schedules leave this
    step empty by design), then ``unmasking.choose_edits(batch)``: which filled positions

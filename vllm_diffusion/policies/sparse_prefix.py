@@ -27,7 +27,9 @@ starts at position N:
 The selection is made anew for every block. The committed KV pages themselves stay (they
 are shared through vLLM's prefix cache and must stay exact): only the block's denoising
 rows attend sparsely; prefill and commit rows attend densely, so committed KV is exact.
-The attention of each layer returns what it selected through the hooks
+The selections read nothing the forward computes, so the hooks make them before it
+(``LayerHooks.preselect_keys``) and the model runs whole, compiled as vLLM built it. The
+attention of each layer returns what it selected through the hooks after the forward
 (``SparsePrefixHooks.after_key_scoring``), which keep it in the request's policy state
 ([L, H_sel, k] int64 on the model device); the lists are freed when the block completes or
 the request ends.
@@ -47,7 +49,7 @@ from vllm_diffusion.kernels.sparse_prefix import KeptKV
 from vllm_diffusion.options import OptionError, Rule, option, option_value
 from vllm_diffusion.policies.strategy_unmasking import StrategyPolicy
 from vllm_diffusion.policies.unmasking import StrategyConfig
-from vllm_diffusion.step.hooks import ForwardStep, LayerHooks, LayerInput, StepHooks
+from vllm_diffusion.step.hooks import ForwardStep, LayerHooks, StepHooks
 from vllm_diffusion.step.keys import KeyScoring, KeySelection, RowSplit, SelectedPrefix
 from vllm_diffusion.step.request import DiffusionRequest
 
@@ -91,7 +93,9 @@ class SparsePrefixHooks(StepHooks):
     def __init__(self, step: ForwardStep, num_layers: int, num_kv_heads: int,
                  scoring: list[tuple[int, SparsePrefixRequest, int]],
                  sparse: list[tuple[int, SparsePrefixRequest]]) -> None:
-        self.layers = LayerHooks(select_keys=tuple(range(num_layers)))
+        # the selections read nothing the forward computes: made before it, so the model
+        # runs whole (compiled as vLLM built it)
+        self.layers = LayerHooks(preselect_keys=tuple(range(num_layers)))
         self.block_rows = [0 if s.block_rows is None else len(s.block_rows)
                            for s in step.requests]
         self.prefix_lens = [0 if s.request is None else s.request.canvas.start
@@ -115,15 +119,14 @@ class SparsePrefixHooks(StepHooks):
             for row, kept in zip(self.kept, lists):
                 row[:, :, :kept.shape[2]] = kept  # a shared list broadcasts over KV heads
 
-    def select_keys(self, layer_input: LayerInput) -> KeySelection:
-        layer = layer_input.layer
+    def preselected_keys(self, layer: int) -> KeySelection:
         return KeySelection(self.block_rows, self.prefix_lens, self.sparse,
                             None if self.kept is None else self.kept[:, layer], self.scoring,
                             self.split, [stores[layer] for stores in self.kept_kv])
 
     def after_key_scoring(self, layer: int, selected: SelectedPrefix) -> None:
-        """The layer's selection for each request that selects this step: kept for the
-        rest of its block."""
+        """The layer's selection for each request that selects this step (after the
+        forward): kept for the rest of its block."""
         for index, request in self.scoring_requests.items():
             request.policy_state.kept[layer] = selected[index]
 

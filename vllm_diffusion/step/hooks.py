@@ -2,8 +2,12 @@
 
 The model's layers call the hook points a policy declares (``LayerHooks``) with a
 ``LayerInput``; a hook answers with the rows that continue (``RowSelection``) or with the
-keys each request's block rows see in the layer's attention (``keys.KeySelection``). What
-that attention selects for the policy comes back through ``after_key_scoring``, after it.
+keys each request's block rows see in the layer's attention (``keys.KeySelection``). A key
+selection that reads nothing the forward computes is declared ``preselect_keys`` and made
+before the forward (``preselected_keys``): a step whose hooks declare nothing else
+runs the model whole, as vLLM built it. What a layer's attention selects for the policy
+comes back through ``after_key_scoring``, after that attention (preselected keys:
+after the forward).
 """
 
 from __future__ import annotations
@@ -23,6 +27,13 @@ class LayerHooks:
     before_attention: tuple[int, ...] = ()
     after_output: tuple[int, ...] = ()
     select_keys: tuple[int, ...] = ()
+    # layers whose key selection is made before the forward (``preselected_keys``)
+    preselect_keys: tuple[int, ...] = ()
+
+    @property
+    def between_layers(self) -> bool:
+        """Whether any hook runs inside the forward (then the layers run as pieces)."""
+        return bool(self.before_attention or self.after_output or self.select_keys)
 
 
 @dataclasses.dataclass
@@ -104,6 +115,11 @@ class StepHooks:
 
     def select_keys(self, layer_input: LayerInput) -> KeySelection | None:
         """The layer's key selection; None: every request attends densely."""
+        return None
+
+    def preselected_keys(self, layer: int) -> KeySelection | None:
+        """A ``preselect_keys`` layer's key selection, made before the forward; None: every
+        request attends densely there."""
         return None
 
     def after_key_scoring(self, layer: int, selected: SelectedPrefix) -> None:

@@ -2,10 +2,12 @@
 
 ``StepForward`` turns the step's rows into the model's inputs and each layer's read-only
 view of them (``models.step_run.LayerViews``, vLLM's forward-context metadata), runs the
-model (as vLLM built it when the policy has no hooks this step, every layer reading the
-same view; as pieces between the hooks' layers otherwise, the step's run object owning the
+model (as vLLM built it when the policy has no hooks between layers this step, every
+layer reading the same view; as pieces between the hooks' layers otherwise, the step's run object owning the
 rows and republishing the views when a hook drops rows, ``models/step_run.py``) and
-returns the hidden states of the rows that reached the last layer.
+returns the hidden states of the rows that reached the last layer. Hooks that only
+preselect keys (``LayerHooks.preselect_keys``) leave the model whole: their selections go
+into the layers' views before it runs, and what the attention selected to the hooks after.
 """
 
 from __future__ import annotations
@@ -18,7 +20,8 @@ from vllm.forward_context import set_forward_context
 from vllm.model_executor.models.utils import extract_layer_index
 
 from vllm_diffusion.attention.backend import step_planner
-from vllm_diffusion.models.step_run import LayerViews, StepRun
+from vllm_diffusion.models.step_run import (LayerViews, StepRun, hand_selected,
+                                            publish_preselected_keys)
 from vllm_diffusion.step.hooks import ForwardStep, StepHooks
 from vllm_diffusion.step.rows import StepRows
 from vllm_diffusion.worker.outputs import DiffusionStats
@@ -66,13 +69,16 @@ class StepForward:
                              query_start_loc=inputs.query_start_loc, kv_lens=inputs.kv_lens)
         views = LayerViews(self._attention_layers(), inputs.block_table.to(device),
                            self.attention_span, self._planner)
-        # Steps without hooks run the model as vLLM built it (compiled unless eager), every
-        # layer reading one view; steps with hooks run the layers between hook points as
+        # Steps without hooks between layers run the model as vLLM built it (compiled
+        # unless eager), every layer reading one view (a preselected key selection in its
+        # layer's); steps with hooks between layers run the layers between hook points as
         # pieces compiled by the model (``models/layer_segments.py``), the hooks eagerly
         # between them, and the run publishes the views.
-        run = None
+        run, selected = None, None
         if hooks is None:
             views.publish(views.view(step_rows, planned=True), 0)
+        elif not hooks.layers.between_layers:
+            selected = publish_preselected_keys(hooks, step_rows, views)
         else:
             block_rows = torch.zeros(step.num_rows, dtype=torch.bool)
             for s in step.requests:
@@ -89,6 +95,8 @@ class StepForward:
             else:
                 hidden_states = runner.model(input_ids=token_ids, positions=positions,
                                              stack_run=run)
+        if selected:
+            hand_selected(hooks, selected)
         stats = self.stats
         stats.positions_computed += len(positions)
         stats.commits_reused += sum(r.reused_commit for r in rows)
