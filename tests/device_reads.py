@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from vllm_diffusion.attention import backend
 from vllm_diffusion.models.step_run import StepRun
 
 _READS = {
@@ -95,6 +96,16 @@ def _marking(method, *marked: int):
     return marking
 
 
+def _marking_function(function):
+    """``function`` with its first argument (the layer's queries) marked device-resident;
+    what it returns is the attention's output, plain again as the layer's would be."""
+
+    def marking(query: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        return _plain(function(query.as_subclass(DeviceResident), *args, **kwargs))
+
+    return marking
+
+
 @contextlib.contextmanager
 def count_device_reads(runner: Any):
     """Yields a list that gets, per ``execute_model`` call of ``runner`` with work, the
@@ -115,9 +126,15 @@ def count_device_reads(runner: Any):
     before, after = StepRun.before_attention, StepRun.after_output
     StepRun.before_attention = _marking(before, 2, 3)  # (layer, attention, q, k, ...)
     StepRun.after_output = _marking(after, 1)  # (layer, output, ...)
+    # a key selection's attention (made before the forward, it runs inside the whole
+    # model): its queries are marked where they enter the selection's two parts
+    attend, score = backend.attend_with_key_selection, backend.score_prefixes
+    backend.attend_with_key_selection = _marking_function(attend)
+    backend.score_prefixes = _marking_function(score)
     try:
         yield per_step
     finally:
         runner.model = model
         del runner.execute_model  # the instance attribute; the class method again
         StepRun.before_attention, StepRun.after_output = before, after
+        backend.attend_with_key_selection, backend.score_prefixes = attend, score

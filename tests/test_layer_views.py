@@ -296,3 +296,39 @@ def test_a_step_with_hooks_between_layers_still_honours_preselected_keys():
                          torch.zeros(rows.num_queries, KV_HEADS * DIM))
     assert layer_views.by_name["layer1"].key_selection is selection
     assert layer_views.by_name["layer0"].key_selection is None
+
+
+def test_preselected_keys_refused_where_they_cannot_hold():
+    """A preselected selection indexes the step's rows: after a hook dropped rows it is
+    refused, and so is a layer declared both ways."""
+    _, _, views, _, _ = sparse_prefix_step([False, False], [3, 3])
+    selection = KeySelection([8, 8], [16, 8], [0], torch.zeros(1, 1, 3, dtype=torch.long), [])
+    rows = views["layer0"]
+
+    def run_of(layers):
+        class Hooks(StepHooks):
+            def preselected_keys(self, layer):
+                return selection
+
+            def after_output(self, layer_input):
+                keep = torch.ones(len(layer_input.rows), dtype=torch.bool)
+                keep[0] = False
+                return RowSelection(keep)
+
+        hooks = Hooks()
+        hooks.layers = layers
+        step_rows = StepRows(rows.query_positions, rows.slot_mapping, rows.query_start_loc,
+                             rows.kv_lens)
+        return StepRun(hooks, torch.ones(rows.num_queries, dtype=torch.bool), step_rows,
+                       LayerViews(["layer0", "layer1"], rows.block_table, BLOCK, None))
+
+    with pytest.raises(ValueError, match="both in select_keys and in preselect_keys"):
+        run_of(LayerHooks(select_keys=(1,), preselect_keys=(1,)))
+    run = run_of(LayerHooks(after_output=(0,), preselect_keys=(1,)))
+    hidden = torch.zeros(rows.num_queries, HEADS * DIM)
+    run.after_output(0, hidden, hidden)  # drops the first row
+    attention = SimpleNamespace(num_heads=HEADS, num_kv_heads=KV_HEADS, head_dim=DIM,
+                                scaling=DIM ** -0.5)
+    with pytest.raises(ValueError, match="after a hook dropped rows"):
+        run.before_attention(1, attention, torch.zeros(rows.num_queries - 1, HEADS * DIM),
+                             torch.zeros(rows.num_queries - 1, KV_HEADS * DIM))

@@ -13,7 +13,8 @@ rows before this layer (the layer still stores the keys/values of every row that
 it) and may have restricted the prefix keys that requests' block rows see
 (``key_selection``). The attention changes nothing it is given except its outputs: the
 attention output and, for a key selection with scoring requests, the view's
-``selected_prefix`` slot, which the run hands to the policy after this attention.
+``selected_prefix`` slot, which the rows' owner hands to the policy after this attention
+(a selection made before the forward: after the forward).
 """
 
 from __future__ import annotations

@@ -4,9 +4,11 @@ and what each layer's attention reads.
 Each family's decoder layer owns its body in two halves around its attention
 (``attention_inputs`` -> q, k, v and ``attention_output`` -> hidden; pre-norm families
 inherit both from ``causal_lm.PreNormHalves``) and names its ``attention_module``. A step
-without hooks runs the layers plainly (vLLM may compile the forward); a step with hooks
-runs the halves as pieces (``layer_segments``), which call the run's hook points, in this
-order:
+without hooks between layers runs the layers plainly (vLLM may compile the forward; key
+selections made before it, ``LayerHooks.preselect_keys``, go into the layers' views by
+``publish_preselected_keys``, what their attention selected to the hooks after it by
+``hand_selected``); a step with hooks between layers runs the halves as pieces
+(``layer_segments``), which call the run's hook points, in this order:
 
 - ``run.before_attention(layer, attention, q, k, *carried)``: after the layer's queries,
   keys and values (after q/k-norm and RoPE) and before its attention. The hooks of that
@@ -135,8 +137,12 @@ class StepRun:
         num_layers = len(views.layer_names)
         selecting = {*self.declared.select_keys, *self.declared.preselect_keys}
         # the preselecting layers' key selections, made before the forward
+        both = set(self.declared.select_keys) & set(self.declared.preselect_keys)
+        if both:
+            raise ValueError(f"hooks declare layers {sorted(both)} both in select_keys and "
+                             f"in preselect_keys; a layer's keys are selected one way")
         self._preselected = {layer: hooks.preselected_keys(layer)
-                         for layer in self.declared.preselect_keys}
+                             for layer in self.declared.preselect_keys}
         # The last layer whose attention is dense for sure: views for it and the layers
         # before it carry the attention's plan (a layer with a key selection plans none)
         self._last_dense_layer = max(
@@ -163,6 +169,10 @@ class StepRun:
                 selection = self.hooks.before_attention(layer_input)
         if layer in self._preselected:
             key_selection = self._preselected[layer]
+            if key_selection is not None and len(self.rows) != len(self.block_rows):
+                # made for the step's rows before the forward: it indexes them
+                raise ValueError(f"a preselected key selection at layer {layer} after a "
+                                 f"hook dropped rows; select those keys with select_keys")
         view = self._view
         if selection is not None:
             entering_keys = self.step_rows.slot_mapping

@@ -27,7 +27,8 @@ class LayerHooks:
     before_attention: tuple[int, ...] = ()
     after_output: tuple[int, ...] = ()
     select_keys: tuple[int, ...] = ()
-    # layers whose key selection is made before the forward (``preselected_keys``)
+    # layers whose key selection is made before the forward (``preselected_keys``); it
+    # indexes the step's rows, so no hook may drop rows before such a layer
     preselect_keys: tuple[int, ...] = ()
 
     @property
@@ -124,5 +125,5 @@ class StepHooks:
 
     def after_key_scoring(self, layer: int, selected: SelectedPrefix) -> None:
         """After the attention of a layer whose key selection named scoring requests
-        (``KeySelection.scoring``): the prefix positions that attention selected for each
-        of them."""
+        (``KeySelection.scoring``; a preselected one: after the whole forward): the
+        prefix positions that attention selected for each of them."""

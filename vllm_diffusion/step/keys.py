@@ -1,12 +1,14 @@
 """Key selection: which committed-prefix keys a request's block rows attend to at a layer.
 
-A policy's ``select_keys`` hook returns a ``KeySelection`` per layer; the step's run hands
-it to that layer's attention in the layer's view, and the attention honours it
+A policy's ``select_keys`` hook (or, made before the forward, its ``preselected_keys``)
+returns a ``KeySelection`` per layer, which goes to that layer's attention in the layer's
+view, and the attention honours it
 (``attention/key_selection.py``): requests in ``sparse`` attend, with their block rows, to
 their kept prefix positions plus their block; requests in ``scoring`` attend densely and
 select their kept positions from this layer's block queries; every other row attends
 densely. What the attention selects for the scoring requests (``SelectedPrefix``) goes back
-to the policy through the hooks (``StepHooks.after_key_scoring``), after that attention.
+to the policy through the hooks (``StepHooks.after_key_scoring``), after that attention
+(a preselected selection's: after the forward).
 """
 
 from __future__ import annotations
