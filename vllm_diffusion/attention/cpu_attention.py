@@ -156,13 +156,11 @@ def kept_pages_attention(query: torch.Tensor, kv_cache: torch.Tensor,
     (``KeptKV.pages``): filled with the kept positions' keys and values on its first call
     (key slot t of KV head h holds that head's t-th kept position: the rows attend to the
     store non-causally, so the order of keys does not matter), then each call writes the
-    block's keys after them and attends. Without stores, and where a request's rows reach
-    over more than one diffusion block (a mask inside the block), the torch path runs."""
-    row_blocks = query_positions.tolist()
-    if kept_kv is None or any(
-            (kv_lens[r] - 1) // diffusion_block_size
-            > min(row_blocks[query_start_loc[r]:query_start_loc[r + 1]] or [1 << 62])
-            // diffusion_block_size for r in range(len(kv_lens))):
+    block's keys after them and attends. Without stores, and where a request's block keys
+    [prefix_len, kv_len) reach over more than one diffusion block (its rows, at positions
+    from prefix_len on, may need a mask inside the block), the torch path runs."""
+    if kept_kv is None or any(p // diffusion_block_size < (n - 1) // diffusion_block_size
+                              for p, n in zip(prefix_lens, kv_lens)):
         return compacted_sparse_prefix_attention(
             query, kv_cache, query_positions, query_start_loc, kv_lens, block_table,
             diffusion_block_size, scale, kept_index, prefix_lens, kept_kv)

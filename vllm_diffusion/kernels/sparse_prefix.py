@@ -21,8 +21,8 @@ The Triton kernel (``triton_sparse_prefix``) has the signature of
 ``sparse_prefix_attention``; tests compare the attention paths on a named grid. On CPU the
 backend runs vLLM's CPU kernel over a per-request store of the kept keys
 (``attention.cpu_attention.kept_pages_attention``, same signature) where it has a kernel
-for the head size; the torch path (``compacted_sparse_prefix_attention``) keeps each request's kept keys and values
-gathered once per layer and block (``KeptKV``, which the policy holds for the block: the
+for the head size; the torch path (``compacted_sparse_prefix_attention``) keeps each
+request's kept keys and values gathered once per layer and block (``KeptKV``, which the policy holds for the block: the
 kept positions' KV does not change while the selection stands), with room for the block's
 keys after them, so a step reads only its block's keys from the pages; without stores it
 gathers every call (``gathered_sparse_prefix_attention``). The reference and the Triton
@@ -101,6 +101,9 @@ class KeptKV:
         self.pages: torch.Tensor | None = None
         self.plan = None  # vLLM's kernel plan for the store (``SegmentPlan``)
         self.block_slots: torch.Tensor | None = None  # [n] the block keys' slots
+        # ([1, n] pages, [1, n] offsets) of the block's keys in the request's pages: the
+        # same at every layer and step while the store stands (``StoredRequest.block_kv``)
+        self.block_where: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 def kept_positions_kv(kept: torch.Tensor, table: torch.Tensor,
@@ -135,12 +138,15 @@ class StoredRequest:
 
     def block_kv(self, views, heads: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Its block's keys and values as the pages hold them now, [H_kv, n, D] each."""
-        positions = torch.arange(self.prefix_len, self.prefix_len + self.block,
-                                 device=heads.device)
-        page_size = views[0].shape[2]
-        pages, offsets = self.table[positions // page_size], positions % page_size
-        return (views[0][pages[None], heads, offsets[None]],
-                views[1][pages[None], heads, offsets[None]])
+        store = self.store
+        if store.block_where is None or store.block_where[0].shape[1] != self.block:
+            positions = torch.arange(self.prefix_len, self.prefix_len + self.block,
+                                     device=heads.device)
+            page_size = views[0].shape[2]
+            store.block_where = (self.table[positions // page_size][None],
+                                 (positions % page_size)[None])
+        pages, offsets = store.block_where
+        return views[0][pages, heads, offsets], views[1][pages, heads, offsets]
 
 
 def stored_requests(query_start_loc: list[int], kv_lens: list[int],

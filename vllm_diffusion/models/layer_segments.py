@@ -4,8 +4,9 @@ A forward is a chain of half layers: unit 2l is layer l's ``attention_inputs`` (
 projections), unit 2l + 1 its ``attention_output`` (attention, norm and MLP). A step's
 hooks run between units (``step_run``): ``before_attention`` and ``select_keys`` (or
 a ``preselect_keys`` layer's selection, on a step that also has hooks between layers) of
-layer l after unit 2l (a key selection has an ``after_attention`` after unit 2l + 1, which hands
-what the attention selected to the hooks), ``after_output`` of layer l after unit 2l + 1.
+layer l after unit 2l (a key selection has an ``after_attention`` after unit 2l + 1,
+which hands what the attention selected to the hooks), ``after_output`` of layer l after
+unit 2l + 1.
 A step whose hooks only preselect keys does not come here: the model runs whole. The
 units between two hook points form a piece, compiled once by ``torch.compile`` with a
 dynamic row dimension, so the rows a hook keeps go through the later layers

@@ -3,8 +3,9 @@
 ``StepForward`` turns the step's rows into the model's inputs and each layer's read-only
 view of them (``models.step_run.LayerViews``, vLLM's forward-context metadata), runs the
 model (as vLLM built it when the policy has no hooks between layers this step, every
-layer reading the same view; as pieces between the hooks' layers otherwise, the step's run object owning the
-rows and republishing the views when a hook drops rows, ``models/step_run.py``) and
+layer reading the same view; as pieces between the hooks' layers otherwise, the step's
+run object owning the rows and republishing the views when a hook drops rows,
+``models/step_run.py``) and
 returns the hidden states of the rows that reached the last layer. Hooks that only
 preselect keys (``LayerHooks.preselect_keys``) leave the model whole: their selections go
 into the layers' views before it runs, and what the attention selected to the hooks after.

@@ -72,8 +72,9 @@ def scatter_to_host(proposed: Proposals, where: torch.Tensor, num_blocks: int,
 def one_copy_to_host(proposed: Proposals) -> tuple[torch.Tensor | None, ...]:
     """The proposals' tensors on the host, from one float64 copy of them all (float64 views
     of it; ``scatter_to_host`` casts each as it places it): tokens [n], confidence [n],
-    invalid [n], entropy [n], ranked [n, r] and logprobs [m, C] (None where absent). One copy on every device: on CPU it costs a few small operations, and
-    the step's path stays the one a GPU runs (one device read per step,
+    invalid [n], entropy [n], ranked [n, r] and logprobs [m, C] (None where absent). One
+    copy on every device: on CPU it costs a few small operations, and the step's path
+    stays the one a GPU runs (one device read per step,
     ``tests/test_host_reads.py``)."""
     n = len(proposed.tokens)
     columns = [proposed.tokens, proposed.confidence, proposed.invalid]
