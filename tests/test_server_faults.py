@@ -8,6 +8,7 @@ import concurrent.futures
 import contextlib
 import json
 import signal
+import socket
 import threading
 import time
 
@@ -224,6 +225,10 @@ def test_bad_request_next_to_good_ones_in_one_batch(server, reference):
 
 
 def test_abort_and_disconnect_storm_leaves_nothing_held(server, reference):
+    """40 clients leave before their answers; afterwards nothing is held and the output is
+    unchanged. How many of the requests the server cut short is not asserted: streamed ones
+    are aborted at once, but vLLM 0.32 (stock, autoregressive, too) runs a plain request
+    whose client leaves after its generation started to its end."""
     def stream_then_hang_up(i):
         body = chat_body(server, max_tokens=300, stream=True,
                          vllm_xargs={"strategy": "sequential"})
@@ -235,27 +240,29 @@ def test_abort_and_disconnect_storm_leaves_nothing_held(server, reference):
                 next(lines)
         return True
 
-    def time_out(i):
-        """None when the client gave up first, else what the server answered in time."""
+    host, port = server["url"].removeprefix("http://").split(":")
+
+    def hang_up(i):
+        """A plain request whose client leaves 0 to 150 ms after sending it, never reading
+        (a raw socket: a client library's read timeout was seen to fire seconds late on a
+        loaded machine, after the answer had come)."""
         body = chat_body(server, max_tokens=450, vllm_xargs={"strategy": "sequential"})
-        body["ignore_eos"] = True  # all 450 steps, whatever the answer's own length
-        body["messages"][0]["content"] += f" timing out {i}"
-        try:
-            # 450 one-token steps take a few hundred ms even on a fast machine with the
-            # server idle; the client gives up long before
-            answer = requests.post(f"{server['url']}/v1/chat/completions", json=body,
-                                   timeout=0.05)
-        except requests.Timeout:
-            return None
-        return answer.status_code, answer.text[:200]
+        body["messages"][0]["content"] += f" hanging up {i}"
+        payload = json.dumps(body).encode()
+        head = (f"POST /v1/chat/completions HTTP/1.1\r\nHost: {host}:{port}\r\n"
+                f"Content-Type: application/json\r\nContent-Length: {len(payload)}\r\n\r\n")
+        with socket.create_connection((host, int(port)), timeout=10) as connection:
+            connection.sendall(head.encode() + payload)
+            time.sleep(0.05 * (i % 4))
 
     with concurrent.futures.ThreadPoolExecutor(16) as pool:
         streams = [pool.submit(stream_then_hang_up, i) for i in range(24)]
-        timeouts = [pool.submit(time_out, i) for i in range(16)]
+        hang_ups = [pool.submit(hang_up, i) for i in range(16)]
         assert all(f.result() for f in streams)
-        answered = [f.result() for f in timeouts]
-        assert sum(a is None for a in answered) >= 8, answered
-    wait_until_idle(server["url"], timeout=60)
+        for f in hang_ups:
+            f.result()
+    # the plain requests vLLM does not cut short run their 450 steps first
+    wait_until_idle(server["url"], timeout=180)
     assert metric(server["url"], "vllm:num_requests_waiting") == 0
     assert complete(server) == reference
 
