@@ -24,7 +24,23 @@ at that length): tokens/s, and the keys each block row reads per layer on a step
 selection (the block's context positions, or the kept ones, plus the block). JSON and a
 PNG.
 
+``--shape large``: instead of the embedded model, a compute-bound random LLaDA built in code
+(``LARGE_LLADA``: 12 layers, d 768, 12 heads, MLP 2048; written to
+``results/large-random-llada``) with random 64-token prompts (and random long prompts),
+every request decoding the whole canvas (``ignore_eos``), one token per step only (how
+many tokens a threshold commits depends on a trained model's confidences): speed on equal
+work, no accuracy (its weights answer nothing), Ada-DLM not run (its freezing needs a
+model whose predictions converge).
+
+``--equal-work``: the chat requests, too, decode the whole canvas (``ignore_eos``), as
+LLaDA's published loop fills its generation length: every configuration decodes the same
+positions, and a method whose answers end sooner is not charged for it (to the first stop
+token, tokens/s falls with shorter answers: a request's block refreshes cost the same
+however few tokens it keeps).
+
     python benchmarks/full_attention_methods.py [--batch-sizes 1 8] [--rounds 3]
+    python benchmarks/full_attention_methods.py --shape large --canvas 128 --configs dual \
+        "dual + ES-dLLM"
 """
 
 from __future__ import annotations
@@ -52,6 +68,9 @@ CONFIGS = {
     "dual + Ada-DLM": ({**DUAL, "diffusion_policy": "ada"}, ADA_RULES),
 }
 LONG = ("dual", "dual + Sparse-dLLM")
+LARGE_LLADA = {"num_layers": 12, "hidden_size": 768, "num_heads": 12, "num_kv_heads": 12,
+               "mlp_hidden_size": 2048, "max_sequence_length": 4096}
+LARGE_MODEL = harness.ROOT / "results/large-random-llada"
 
 
 def baseline_rule(rule: str) -> str:
@@ -74,8 +93,9 @@ def measure(llm, prompts, examples, batch: int, min_requests: int, max_tokens: i
         run = harness.generate(llm, [prompts[i] for i in indices], params, counters=True)
         seconds += run.seconds
         for index, out in zip(indices, run.outputs):
-            example = examples[index]
-            correct += score(example.family, example.answer, out.outputs[0].text)
+            if examples is not None:
+                example = examples[index]
+                correct += score(example.family, example.answer, out.outputs[0].text)
         stats = run.stats
         rows += stats["positions_computed"]
         # rows outside the block go through every layer; block rows as each layer counted
@@ -87,7 +107,8 @@ def measure(llm, prompts, examples, batch: int, min_requests: int, max_tokens: i
     return {"tokens_per_s": tokens / seconds, "output_tokens": tokens,
             "rows_per_committed_token": rows / max(tokens, 1),
             "row_layers_per_committed_token": row_layers / max(tokens, 1),
-            "refreshes_per_request": refreshes / done, "accuracy": correct / done}
+            "refreshes_per_request": refreshes / done,
+            "accuracy": correct / done if examples is not None else None}
 
 
 def long_prompts(tokenizer, examples, length: int) -> list[str]:
@@ -111,14 +132,28 @@ def long_prompts(tokenizer, examples, length: int) -> list[str]:
     return prompts
 
 
+def random_prompts(vocab_size: int, count: int, length: int) -> list:
+    """``count`` prompts of ``length`` random token ids (clear of the special tokens)."""
+    import random
+
+    from vllm.inputs import TokensPrompt
+
+    rng = random.Random(0)
+    return [TokensPrompt(prompt_token_ids=[rng.randrange(16, vocab_size)
+                                           for _ in range(length)]) for _ in range(count)]
+
+
 def run_config(name: str, args, examples) -> dict[tuple[str, int], dict]:
     import json
 
     from vllm_diffusion_lab.offline import diffusion_llm
     from vllm_diffusion_lab.quality.harness import chat_prompts
 
-    layers = json.loads((pathlib.Path(args.llada) / "config.json").read_text())["n_layers"]
+    config = json.loads((pathlib.Path(args.llada) / "config.json").read_text())
+    layers, large = config["n_layers"], args.shape == "large"
     engine, rules = CONFIGS[name]
+    if large:  # random weights' confidences say nothing of a trained model's: equal steps
+        rules = {"one per step": ONE_PER_STEP}
     results = {}
     long = args.long_prompt and name in LONG
     with diffusion_llm(args.llada, diffusion_block_size=args.block,
@@ -127,20 +162,25 @@ def run_config(name: str, args, examples) -> dict[tuple[str, int], dict]:
                        additional_config={**engine,
                                           "diffusion_canvas_tokens": args.canvas}) as llm:
         tokenizer = llm.get_tokenizer()
-        prompts = chat_prompts(tokenizer, examples)
+        count = max(args.batch_sizes + [args.min_requests, args.long_requests])
+        prompts = (random_prompts(config["vocab_size"], count, 64) if large
+                   else chat_prompts(tokenizer, examples))
         measure(llm, prompts, examples, 1, 1, 8, {}, layers)  # warm-up
         for rule, options in (() if args.long_only else rules.items()):
             for batch in args.batch_sizes:
                 results[rule, batch] = measure(llm, prompts, examples, batch,
-                                               args.min_requests, args.canvas, options, layers)
+                                               args.min_requests, args.canvas, options, layers,
+                                               ignore_eos=large or args.equal_work)
         if long:  # equal work: the whole canvas for every request (accuracy is not the point)
-            prompts = long_prompts(tokenizer, examples, args.long_prompt)
+            prompts = (random_prompts(config["vocab_size"], args.long_requests,
+                                      args.long_prompt) if large
+                       else long_prompts(tokenizer, examples, args.long_prompt))
             for rule, options in rules.items():
                 results[f"long, {rule}", 1] = {
                     **measure(llm, prompts, examples, 1, args.long_requests, args.canvas,
                               options, layers, ignore_eos=True),
-                    "prompt_tokens": statistics.mean(len(tokenizer.encode(p))
-                                                     for p in prompts[:args.long_requests])}
+                    "prompt_tokens": args.long_prompt if large else statistics.mean(
+                        len(tokenizer.encode(p)) for p in prompts[:args.long_requests])}
     return results
 
 
@@ -165,12 +205,26 @@ def main() -> None:
     parser.add_argument("--long-only", action="store_true",
                         help="only the long-prompt measurements (of the configurations in LONG)")
     parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
+    parser.add_argument("--equal-work", action="store_true",
+                        help="every request decodes the whole canvas (ignore_eos), as "
+                             "LLaDA's published loop fills its generation length")
+    parser.add_argument("--shape", choices=("embedded", "large"), default="embedded",
+                        help="large: a compute-bound random LLaDA (--llada is ignored)")
     args = parser.parse_args()
     harness.engines_in_process()
 
     from vllm_diffusion_lab.quality.corpus import mixed_eval_examples
 
-    examples = mixed_eval_examples(max(args.batch_sizes + [args.min_requests]))
+    examples = None
+    if args.shape == "large":
+        if "dual + Ada-DLM" in args.configs:
+            parser.error("--shape large: Ada-DLM freezes converged predictions, which random "
+                         "weights do not make; leave it out of --configs")
+        from vllm_diffusion_lab.fixtures.tiny_llada import build_tiny_llada
+
+        args.llada = str(build_tiny_llada(LARGE_MODEL, **LARGE_LLADA))
+    else:
+        examples = mixed_eval_examples(max(args.batch_sizes + [args.min_requests]))
     measured = harness.alternate(args.configs, args.rounds,
                                  lambda name: run_config(name, args, examples))
     median = {(name, rule, batch): statistics.median(r[rule, batch]["tokens_per_s"]
@@ -189,14 +243,18 @@ def main() -> None:
                "speedup_over_dual": harness.ratio(tps, median.get(("dual", compared, batch))),
                **{key: statistics.mean(r[key] for r in runs) for key in (
                    "output_tokens", "rows_per_committed_token",
-                   "row_layers_per_committed_token", "refreshes_per_request", "accuracy")}}
+                   "row_layers_per_committed_token", "refreshes_per_request")},
+               "accuracy": (None if args.shape == "large"
+                            else statistics.mean(r["accuracy"] for r in runs))}
         if long:
             row["prompt_tokens"] = runs[0]["prompt_tokens"]
             row["keys_read_per_block_row_layer"] = keys_read(
                 row["prompt_tokens"], args.canvas, args.block,
                 0.5 if "Sparse" in name else None)
         rows.append(row)
-    report = {"machine": f"{os.cpu_count()} CPU cores", "llada": args.llada,
+    report = {"machine": f"{os.cpu_count()} CPU cores", "shape": args.shape,
+              "equal_work": args.equal_work or args.shape == "large",
+              "llada": args.llada,
               "block": args.block, "canvas": args.canvas, "rounds": args.rounds,
               "min_requests": args.min_requests, "long_prompt": args.long_prompt,
               "rows": rows, "package": harness.package_files()}
@@ -209,7 +267,7 @@ def main() -> None:
               f"{show(r['speedup_over_recompute'])} | {show(r['speedup_over_dual'])} | "
               f"{r['rows_per_committed_token']:.1f} | "
               f"{r['row_layers_per_committed_token']:.0f} | "
-              f"{r['refreshes_per_request']:.1f} | {r['accuracy']:.2f} |")
+              f"{r['refreshes_per_request']:.1f} | {show(r['accuracy'])} |")
 
 
 def show(value: float | None) -> str:
