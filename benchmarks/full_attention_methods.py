@@ -24,9 +24,10 @@ at that length): tokens/s, and the keys each block row reads per layer on a step
 selection (the block's context positions, or the kept ones, plus the block). JSON and a
 PNG.
 
-``--shape large``: instead of the embedded model, a compute-bound random LLaDA built in code
-(``LARGE_LLADA``: 12 layers, d 768, 12 heads, MLP 2048; written to
-``results/large-random-llada``) with random 64-token prompts (and random long prompts),
+``--shape large``: instead of the embedded model, a larger random LLaDA built in code
+(``LARGE_LLADA``: 12 layers, d 768, 12 heads, MLP 2048, written to
+``results/large-random-llada``; compute-bound at batch 8, at batch 1 bound by reading its
+weights) with random 64-token prompts (and random long prompts),
 every request decoding the whole canvas (``ignore_eos``), one token per step only (how
 many tokens a threshold commits depends on a trained model's confidences): speed on equal
 work, no accuracy (its weights answer nothing), Ada-DLM not run (its freezing needs a
@@ -39,8 +40,7 @@ token, tokens/s falls with shorter answers: a request's block refreshes cost the
 however few tokens it keeps).
 
     python benchmarks/full_attention_methods.py [--batch-sizes 1 8] [--rounds 3]
-    python benchmarks/full_attention_methods.py --shape large --canvas 128 --configs dual \
-        "dual + ES-dLLM"
+    python benchmarks/full_attention_methods.py --shape large --canvas 128
 """
 
 from __future__ import annotations
@@ -92,8 +92,8 @@ def measure(llm, prompts, examples, batch: int, min_requests: int, max_tokens: i
                                 ignore_eos=ignore_eos)
         run = harness.generate(llm, [prompts[i] for i in indices], params, counters=True)
         seconds += run.seconds
-        for index, out in zip(indices, run.outputs):
-            if examples is not None:
+        if examples is not None:
+            for index, out in zip(indices, run.outputs):
                 example = examples[index]
                 correct += score(example.family, example.answer, out.outputs[0].text)
         stats = run.stats
@@ -162,9 +162,11 @@ def run_config(name: str, args, examples) -> dict[tuple[str, int], dict]:
                        additional_config={**engine,
                                           "diffusion_canvas_tokens": args.canvas}) as llm:
         tokenizer = llm.get_tokenizer()
-        count = max(args.batch_sizes + [args.min_requests, args.long_requests])
-        prompts = (random_prompts(config["vocab_size"], count, 64) if large
-                   else chat_prompts(tokenizer, examples))
+        if large:
+            count = max(args.batch_sizes + [args.min_requests, args.long_requests])
+            prompts = random_prompts(config["vocab_size"], count, 64)
+        else:
+            prompts = chat_prompts(tokenizer, examples)
         measure(llm, prompts, examples, 1, 1, 8, {}, layers)  # warm-up
         for rule, options in (() if args.long_only else rules.items()):
             for batch in args.batch_sizes:
@@ -204,18 +206,23 @@ def main() -> None:
     parser.add_argument("--long-requests", type=int, default=2)
     parser.add_argument("--long-only", action="store_true",
                         help="only the long-prompt measurements (of the configurations in LONG)")
-    parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
+    parser.add_argument("--configs", nargs="+", choices=list(CONFIGS),
+                        help="default: all (all but Ada-DLM with --shape large)")
     parser.add_argument("--equal-work", action="store_true",
                         help="every request decodes the whole canvas (ignore_eos), as "
                              "LLaDA's published loop fills its generation length")
     parser.add_argument("--shape", choices=("embedded", "large"), default="embedded",
-                        help="large: a compute-bound random LLaDA (--llada is ignored)")
+                        help="large: a larger random LLaDA, compute-bound at batch 8 "
+                             "(--llada is ignored)")
     args = parser.parse_args()
     harness.engines_in_process()
 
     from vllm_diffusion_lab.quality.corpus import mixed_eval_examples
 
     examples = None
+    if args.configs is None:
+        args.configs = [name for name in CONFIGS
+                        if args.shape == "embedded" or name != "dual + Ada-DLM"]
     if args.shape == "large":
         if "dual + Ada-DLM" in args.configs:
             parser.error("--shape large: Ada-DLM freezes converged predictions, which random "
@@ -244,7 +251,7 @@ def main() -> None:
                **{key: statistics.mean(r[key] for r in runs) for key in (
                    "output_tokens", "rows_per_committed_token",
                    "row_layers_per_committed_token", "refreshes_per_request")},
-               "accuracy": (None if args.shape == "large"
+               "accuracy": (None if runs[0]["accuracy"] is None
                             else statistics.mean(r["accuracy"] for r in runs))}
         if long:
             row["prompt_tokens"] = runs[0]["prompt_tokens"]

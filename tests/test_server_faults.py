@@ -227,8 +227,8 @@ def test_bad_request_next_to_good_ones_in_one_batch(server, reference):
 def test_abort_and_disconnect_storm_leaves_nothing_held(server, reference):
     """40 clients leave before their answers; afterwards nothing is held and the output is
     unchanged. How many of the requests the server cut short is not asserted: streamed ones
-    are aborted at once, but vLLM 0.32 (stock, autoregressive, too) runs a plain request
-    whose client leaves after its generation started to its end."""
+    are aborted at once, but a plain request whose client left after its generation started
+    was seen to run to its end (stock vLLM 0.32 with an autoregressive model, too)."""
     def stream_then_hang_up(i):
         body = chat_body(server, max_tokens=300, stream=True,
                          vllm_xargs={"strategy": "sequential"})
