@@ -52,6 +52,7 @@ import pathlib
 import statistics
 
 import harness
+from throughput_vs_ar import large_workload
 
 ONE_PER_STEP = {"strategy": "low_confidence_static"}
 THRESHOLD = {"strategy": "threshold", "threshold": 0.9}
@@ -132,17 +133,6 @@ def long_prompts(tokenizer, examples, length: int) -> list[str]:
     return prompts
 
 
-def random_prompts(vocab_size: int, count: int, length: int) -> list:
-    """``count`` prompts of ``length`` random token ids (clear of the special tokens)."""
-    import random
-
-    from vllm.inputs import TokensPrompt
-
-    rng = random.Random(0)
-    return [TokensPrompt(prompt_token_ids=[rng.randrange(16, vocab_size)
-                                           for _ in range(length)]) for _ in range(count)]
-
-
 def run_config(name: str, args, examples) -> dict[tuple[str, int], dict]:
     import json
 
@@ -164,7 +154,7 @@ def run_config(name: str, args, examples) -> dict[tuple[str, int], dict]:
         tokenizer = llm.get_tokenizer()
         if large:
             count = max(args.batch_sizes + [args.min_requests, args.long_requests])
-            prompts = random_prompts(config["vocab_size"], count, 64)
+            prompts = large_workload(config["vocab_size"], count)
         else:
             prompts = chat_prompts(tokenizer, examples)
         measure(llm, prompts, examples, 1, 1, 8, {}, layers)  # warm-up
@@ -174,7 +164,7 @@ def run_config(name: str, args, examples) -> dict[tuple[str, int], dict]:
                                                args.min_requests, args.canvas, options, layers,
                                                ignore_eos=large or args.equal_work)
         if long:  # equal work: the whole canvas for every request (accuracy is not the point)
-            prompts = (random_prompts(config["vocab_size"], args.long_requests,
+            prompts = (large_workload(config["vocab_size"], args.long_requests,
                                       args.long_prompt) if large
                        else long_prompts(tokenizer, examples, args.long_prompt))
             for rule, options in rules.items():

@@ -84,15 +84,15 @@ LARGE_CONFIGS = ["autoregressive", "standard B=4", "standard B=16", "standard B=
                  "focus B=32", "chunk 4 of B=32, reuse", "chunk 8 of B=32, reuse"]
 
 
-def large_workload(vocab_size: int, count: int) -> list:
-    """Random 64-token prompts (ids clear of the tiny tokenizer's special tokens)."""
+def large_workload(vocab_size: int, count: int, length: int = 64) -> list:
+    """Random ``length``-token prompts (ids clear of the tiny tokenizer's special tokens)."""
     import random
 
     from vllm.inputs import TokensPrompt
 
     rng = random.Random(0)
-    return [TokensPrompt(prompt_token_ids=[rng.randrange(16, vocab_size) for _ in range(64)])
-            for _ in range(count)]
+    return [TokensPrompt(prompt_token_ids=[rng.randrange(16, vocab_size)
+                                           for _ in range(length)]) for _ in range(count)]
 
 
 def open_engine(name: str, model, ar_model, args):

@@ -137,10 +137,6 @@ class StepRun:
         num_layers = len(views.layer_names)
         selecting = {*self.declared.select_keys, *self.declared.preselect_keys}
         # the preselecting layers' key selections, made before the forward
-        both = set(self.declared.select_keys) & set(self.declared.preselect_keys)
-        if both:
-            raise ValueError(f"hooks declare layers {sorted(both)} both in select_keys and "
-                             f"in preselect_keys; a layer's keys are selected one way")
         self._preselected = {layer: hooks.preselected_keys(layer)
                              for layer in self.declared.preselect_keys}
         # The last layer whose attention is dense for sure: views for it and the layers

@@ -31,6 +31,12 @@ class LayerHooks:
     # indexes the step's rows, so no hook may drop rows before such a layer
     preselect_keys: tuple[int, ...] = ()
 
+    def __post_init__(self) -> None:
+        both = set(self.select_keys) & set(self.preselect_keys)
+        if both:
+            raise ValueError(f"hooks declare layers {sorted(both)} both in select_keys and "
+                             f"in preselect_keys; a layer's keys are selected one way")
+
     @property
     def between_layers(self) -> bool:
         """Whether any hook runs inside the forward (then the layers run as pieces)."""
