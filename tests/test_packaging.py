@@ -148,7 +148,7 @@ import vllm_diffusion
 vllm_diffusion.register()
 import vllm_diffusion.config, vllm_diffusion.engine_setup, vllm_diffusion.requests
 from vllm_diffusion.seams import (async_llm, engine_args, input_processor, offline_llm,
-                                  output_processor, stat_loggers)
+                                  openai_serving, output_processor, stat_loggers)
 from vllm_diffusion.config import parse_engine_options
 from vllm_diffusion.policies import POLICIES
 

@@ -44,6 +44,19 @@ def test_empty_and_too_long_prompts_are_rejected(llm):
         generate(llm, [5] * 65, temperature=0, max_tokens=4)
 
 
+def test_output_reaching_the_model_length_ends_there_as_in_stock_vllm(llm):
+    """Prompt plus max_tokens over max_model_len (64) is not refused: as stock vLLM's
+    scheduler does (``check_stop``), the output ends at the model length with
+    finish_reason "length"; a non-finite logit_bias is refused naming its token."""
+    for prompt_len, expected in ((61, 3), (63, 1)):
+        (out,) = generate(llm, [5] * prompt_len, temperature=0, max_tokens=10,
+                          ignore_eos=True)
+        assert len(out.outputs[0].token_ids) == expected
+        assert out.outputs[0].finish_reason == "length"
+    with pytest.raises(REJECTED, match="got nan for token 42"):
+        generate(llm, [5, 6, 7], max_tokens=4, logit_bias={5: 1.0, 42: float("nan")})
+
+
 @pytest.mark.parametrize("params, name", [
     ({"prompt_logprobs": 1}, "prompt_logprobs"),
     ({"structured_outputs": StructuredOutputsParams(regex="a+"), "logprobs": 1},
@@ -56,6 +69,7 @@ def test_unsupported_sampling_parameters_are_rejected(llm, params, name):
 
 @pytest.mark.parametrize("extra_args, message", [
     ({"threshold": 1.5}, r"option 'threshold' must be float in \[0.0, 1.0\], got 1.5"),
+    ({"threshold": True}, r"option 'threshold' must be float in \[0.0, 1.0\], got True"),
     ({"strategy": "fastest"}, r"option 'strategy' must be one of 'low_confidence_dynamic'"),
     ({"denoising_steps": 9}, r"'denoising_steps' must be at most the block size \(4\)"),
     ({"thresold": 0.5}, r"unknown option\(s\) 'thresold'; valid options"),

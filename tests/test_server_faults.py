@@ -102,6 +102,16 @@ CATALOGUE = [
     ({"vllm_xargs": {"max_steps_per_block": 1001}},
      "'max_steps_per_block' must be at most the engine's 'max_steps_per_block_limit' "
      "(1000), got 1001"),
+    # vLLM would clamp a non-finite bias into [-100, 100] (NaN to -100)
+    ({"logit_bias": {"42": NAN}}, "finite numbers, got nan for token 42"),
+    ({"logit_bias": {"42": INF}}, "finite numbers, got inf for token 42"),
+    ({"logit_bias": {"42": "NaN"}}, "finite numbers, got nan for token 42"),
+    ({"logit_bias": {"42": "inf"}}, "finite numbers, got inf for token 42"),
+    ({"logit_bias": {"5": 1.0, "42": "-Infinity"}}, "finite numbers, got -inf for token 42"),
+    # vllm_xargs' schema would turn a JSON true into 1
+    ({"vllm_xargs": {"threshold": True}},
+     "option 'threshold' must be float in [0.0, 1.0], got True"),
+    ({"vllm_xargs": {"pool_kernel": True}}, "option 'pool_kernel' must be int"),
 ]
 
 
@@ -113,6 +123,34 @@ def test_bad_input_is_a_400_naming_the_problem(server, reference, fields, messag
     assert response.status_code == 400, response.text
     assert message in response.json()["error"]["message"]
     assert complete(server) == reference
+
+
+def test_a_bias_json_reads_as_infinite_is_a_400_naming_its_token(server, reference):
+    """1e400 is valid JSON that Python's parser reads as inf (Python's json never writes it)."""
+    for bias in ("1e400", "-1e400"):
+        body = json.dumps({**chat_body(server), "logit_bias": {"42": "BIAS"}}).replace(
+            '"BIAS"', bias)
+        response = requests.post(f"{server['url']}/v1/chat/completions", data=body, timeout=30,
+                                 headers={"Content-Type": "application/json"})
+        assert response.status_code == 400, response.text
+        assert "inf for token 42" in response.json()["error"]["message"]
+    assert complete(server) == reference
+
+
+def test_output_reaching_the_model_length_is_cut_there_as_in_stock_vllm(server):
+    """Prompt plus max_tokens over max_model_len (512): stock vLLM's OpenAI server lowers
+    max_tokens to what is left of the context (``get_max_tokens``) and answers 200, the
+    output ending with finish_reason "length"; a prompt over the context is a 400."""
+    response = requests.post(f"{server['url']}/v1/completions", timeout=60, json={
+        "model": server["model"], "prompt": [5] * 509, "max_tokens": 10, "temperature": 0,
+        "ignore_eos": True})
+    assert response.status_code == 200, response.text
+    assert response.json()["usage"]["completion_tokens"] == 3
+    assert response.json()["choices"][0]["finish_reason"] == "length"
+    response = requests.post(f"{server['url']}/v1/completions", timeout=60, json={
+        "model": server["model"], "prompt": [5] * 513, "max_tokens": 10})
+    assert response.status_code == 400
+    assert "maximum context length is 512" in response.json()["error"]["message"]
 
 
 # Requests whose constraints bar every token at a position only the step can know (a

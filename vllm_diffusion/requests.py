@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from vllm.exceptions import VLLMValidationError
@@ -42,16 +42,29 @@ def _check_numbers(params: Any) -> None:
         if isinstance(value, float) and not math.isfinite(value):
             raise VLLMValidationError(f"{name} must be a finite number, got {shown(value)}",
                                       parameter=name, value=shown(value))
-    for token, bias in (params.logit_bias or {}).items():
-        if not isinstance(bias, (int, float)) or not math.isfinite(bias):
-            raise VLLMValidationError(
-                f"logit_bias must map token ids to finite numbers, got {shown(bias)} for "
-                f"token {shown(token)}", parameter="logit_bias", value=shown(bias))
+    check_logit_bias(params.logit_bias)
     seed = params.seed
     if seed is not None and not _SEED_RANGE[0] <= seed <= _SEED_RANGE[1]:
         raise VLLMValidationError(
             f"seed must be an integer in [{_SEED_RANGE[0]}, {_SEED_RANGE[1]}], got {seed}",
             parameter="seed", value=seed)
+
+
+def _token_shown(token: Any) -> str:
+    """A token id as the client wrote it: an OpenAI request's ids are JSON object keys."""
+    text = str(token)
+    return text if text.lstrip("-").isdigit() and len(text) <= 20 else shown(token)
+
+
+def check_logit_bias(logit_bias: Mapping[Any, Any] | None) -> None:
+    """Every bias is a finite number. Token ids may still be the strings of an OpenAI
+    request's ``logit_bias``."""
+    for token, bias in (logit_bias or {}).items():
+        if not isinstance(bias, (int, float)) or not math.isfinite(bias):
+            raise VLLMValidationError(
+                f"logit_bias must map token ids to finite numbers, got {shown(bias)} for "
+                f"token {_token_shown(token)}",
+                parameter="logit_bias", value=shown(bias))
 
 
 def validate_sampling_params(params: Any, config: DiffusionEngineConfig) -> None:

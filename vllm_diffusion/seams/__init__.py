@@ -8,7 +8,7 @@ from __future__ import annotations
 
 def install() -> None:
     from vllm_diffusion.seams import (async_llm, engine_args, input_processor, offline_llm,
-                                      output_processor, stat_loggers)
+                                      openai_serving, output_processor, stat_loggers)
 
     engine_args.install()
     input_processor.install()
@@ -16,3 +16,4 @@ def install() -> None:
     output_processor.install()
     offline_llm.install()
     async_llm.install()
+    openai_serving.install()

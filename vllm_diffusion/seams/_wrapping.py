@@ -18,5 +18,8 @@ def first_wrap(cls: type) -> bool:
 
 
 def serves_diffusion_model(vllm_config: Any) -> bool:
-    model_config = getattr(vllm_config, "model_config", None)
+    return is_diffusion_model(getattr(vllm_config, "model_config", None))
+
+
+def is_diffusion_model(model_config: Any) -> bool:
     return model_config is not None and model_config.architecture in ARCHITECTURES
