@@ -1,7 +1,7 @@
 """What bad words cost a request, and a short request beside it: the bad-words stage's
 plain loops over every word and offset against its index (``worker/bad_words.py``).
 
-One in-process eager engine on the default model (greedy, ``ignore_eos``), its bad-word
+One in-process eager engine on the embedded model (greedy, ``ignore_eos``), its bad-word
 limits raised so that the old hostile request is admitted. Cases, each timed as the wall
 time of its requests (vLLM's tokenization of the bad words included):
 

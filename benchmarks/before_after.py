@@ -7,7 +7,7 @@ Each round runs ``throughput_vs_ar.py`` once per tree (``--configs autoregressiv
 generating per request as many tokens as the plugin did, ``ignore_eos``), each in a fresh
 process whose imports resolve to that tree, the order reversed every other round. Both
 trees run this checkout's measuring code on the same model (``--model``, by default this
-checkout's default model), so only the serving package and its lab (each tree's own)
+checkout's embedded model), so only the serving package and its lab (each tree's own)
 differ.
 
 How a child imports its own tree: the package is installed editable, and setuptools'

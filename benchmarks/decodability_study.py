@@ -162,12 +162,12 @@ def main() -> None:
 
     from vllm import LLM, SamplingParams
 
-    from vllm_diffusion.default_model import default_model_path
+    from vllm_diffusion.default_model import embedded_model_path
     from vllm_diffusion_lab.quality.corpus import eval_examples
     from vllm_diffusion_lab.quality.harness import chat_prompts
     from vllm_diffusion_lab.recording import start_importance_recording, take_importance_records
 
-    model = args.model or str(default_model_path())
+    model = args.model or str(embedded_model_path())
     llm = LLM(model=model, dtype="float32", enforce_eager=True, seed=0, max_model_len=1024,
               additional_config={"diffusion_block_size": args.block_size,
                                  "threshold": args.threshold})

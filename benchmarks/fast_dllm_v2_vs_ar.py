@@ -2,7 +2,7 @@
 decoding the same weights autoregressively, at equal work.
 
 The checkpoint is built in code (random weights, the published layout, written to a
-temporary directory): the default model's shape (12 layers, hidden 256, 4 heads, 2 KV
+temporary directory): the embedded model's shape (12 layers, hidden 256, 4 heads, 2 KV
 heads, MLP 768, its tokenizer) with Fast-dLLM v2's ``bd_size`` (``--block``, 32).
 Configurations (each engine in this process, one at a time, alternating over
 ``--rounds``):
@@ -47,11 +47,11 @@ AR = "autoregressive"
 
 
 def build_checkpoints(into: pathlib.Path, block: int) -> tuple[pathlib.Path, pathlib.Path]:
-    """The Fast-dLLM v2 checkpoint of the default model's shape, and its Qwen2 twin."""
-    from vllm_diffusion.default_model import default_model_path
+    """The Fast-dLLM v2 checkpoint of the embedded model's shape, and its Qwen2 twin."""
+    from vllm_diffusion.default_model import embedded_model_path
     from vllm_diffusion_lab.fixtures.tiny_fast_dllm_v2 import build_tiny_fast_dllm_v2
 
-    shape = json.loads((pathlib.Path(default_model_path()) / "config.json").read_text())
+    shape = json.loads((pathlib.Path(embedded_model_path()) / "config.json").read_text())
     diffusion = build_tiny_fast_dllm_v2(
         into / "fast-dllm-v2", bd_size=block, num_layers=shape["num_hidden_layers"],
         hidden_size=shape["hidden_size"], num_heads=shape["num_attention_heads"],
@@ -159,7 +159,7 @@ def main() -> None:
               "block": args.block,
               "sub_block_size": 8, "threshold": 0.9, "max_tokens": args.max_tokens,
               "rounds": args.rounds, "min_requests": args.min_requests,
-              "weights": "random (built in code), the default model's shape", "rows": rows,
+              "weights": "random (built in code), the embedded model's shape", "rows": rows,
               "package": harness.package_files()}
     harness.write_report(report, args.out, plot)
     print("| config | batch | tokens/s | / AR | tokens / step | rows / token |")

@@ -1,6 +1,6 @@
 """The full-attention exact mode (LLaDA's published loop: every step recomputes prompt and
 canvas) against stock vLLM autoregressive decoding of the same weights, next to the
-block-diffusion default model against its own, at equal work.
+block-diffusion embedded model against its own, at equal work.
 
 Configurations (each engine in this process, one at a time, alternating over
 ``--rounds``):

@@ -40,7 +40,8 @@ def add_common_options(parser, *, out: str, batch_sizes: Sequence[int] | None = 
         parser.add_argument("--max-tokens", type=int, default=max_tokens)
     if model:
         parser.add_argument("--model", default=None,
-                            help="checkpoint directory (default: the default model)")
+                            help="checkpoint directory (default: the embedded SDAR model, "
+                                 "checkpoints/sdar-small-chat)")
     parser.add_argument("--out", type=pathlib.Path, default=ROOT / out)
 
 
@@ -64,9 +65,9 @@ def workload_examples(args, count: int) -> list:
 
 
 def model_path(args) -> str:
-    from vllm_diffusion.default_model import default_model_path
+    from vllm_diffusion.default_model import embedded_model_path
 
-    return str(args.model or default_model_path())
+    return str(args.model or embedded_model_path())
 
 
 def engines_in_process() -> None:

@@ -6,7 +6,7 @@ into the model (``model_validate_json``; instructor would otherwise retry). Two 
 tries each (20 different inputs, greedy, one request per try, all at once): a two-field
 object (``Person``: name, age, from "Mia is 7 years old.") and a three-item list
 (``Items``: exactly three strings, from "apples, pears and plums."). The server runs the
-default model (or ``--model``) with its own defaults, once with compact JSON (the plugin's
+embedded SDAR model (or ``--model``) with its own defaults, once with compact JSON (the plugin's
 default) and once with ``diffusion_json_any_whitespace`` (what vLLM's default
 structured-output settings give), one server at a time.
 

@@ -22,7 +22,7 @@ of a block's steps come after the selection step.
 
     python benchmarks/long_context.py [--model DIR] \
         --lengths 1024 2048 3968 --block-size 32 --ratios 0.5 0.3 0.1
-writes results/long_context.json and .png. Without ``--model`` it runs the default model
+writes results/long_context.json and .png. Without ``--model`` it runs the embedded model
 (``vllm_diffusion.default_model``). The figures in ``benchmarks/RESULTS.md`` were made with
 the 12-layer model trained from scratch (``sdar-small-scratch``, whose weights are not kept
 in the repository); its five stages are reproducible with the commands in

@@ -50,7 +50,7 @@ def main() -> None:
     args = parser.parse_args()
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # the same KV budget for every server
 
-    from vllm_diffusion.default_model import default_model_path
+    from vllm_diffusion.default_model import embedded_model_path
     from vllm_diffusion_lab.bench import autoregressive_copy, run_bench_serve, write_sharegpt
     from vllm_diffusion_lab.fixtures.server import vllm_server
 
@@ -60,7 +60,7 @@ def main() -> None:
     args.out_dir.mkdir(parents=True, exist_ok=True)
     sharegpt = args.out_dir / "sharegpt_eval.json"
     write_sharegpt(sharegpt, args.num_prompts)
-    model = pathlib.Path(default_model_path())
+    model = pathlib.Path(embedded_model_path())
     runs: dict[str, list[dict]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         ar_model = autoregressive_copy(model, pathlib.Path(tmp))

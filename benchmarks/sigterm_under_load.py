@@ -28,7 +28,7 @@ import time
 import psutil
 import requests
 
-from vllm_diffusion.default_model import default_model_path
+from vllm_diffusion.default_model import embedded_model_path
 from vllm_diffusion_lab.fixtures.server import free_port, vllm_command
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -146,7 +146,7 @@ def alive(process: psutil.Process) -> bool:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default=str(default_model_path()))
+    parser.add_argument("--model", default=str(embedded_model_path()))
     parser.add_argument("--policy", default="focus")
     parser.add_argument("--runs", type=int, default=20)
     parser.add_argument("--requests", type=int, default=24)

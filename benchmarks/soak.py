@@ -30,7 +30,7 @@ import time
 import psutil
 import requests
 
-from vllm_diffusion.default_model import default_model_path
+from vllm_diffusion.default_model import embedded_model_path
 from vllm_diffusion_lab.fixtures.server import vllm_server_process
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -151,7 +151,7 @@ def server_rss(process: psutil.Process) -> dict[str, float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default=str(default_model_path()))
+    parser.add_argument("--model", default=str(embedded_model_path()))
     parser.add_argument("--policy", default="focus")
     parser.add_argument("--minutes", type=float, default=10.0)
     parser.add_argument("--concurrency", type=int, default=16)

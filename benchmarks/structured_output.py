@@ -1,4 +1,4 @@
-"""Structured output on the default model: JSON-schema requests on its JSON task.
+"""Structured output on the embedded model: JSON-schema requests on its JSON task.
 
 Held-out problems of the quality corpus's ``json`` family ("Write a compact JSON object
 with name: Mia; age: 7."), each with a schema of its two to four typed fields (all

@@ -51,7 +51,7 @@ import harness
 CONFIGS = {
     "autoregressive": None,
     "standard B=4": (4, {"diffusion_policy": "standard"}, {}),
-    # the default model's own default threshold is 0.7 (its config.json); 0.9 is the
+    # the embedded model's own default threshold is 0.7 (its config.json); 0.9 is the
     # published SDAR loop's and the engine's
     "standard B=4, threshold 0.9": (4, {"diffusion_policy": "standard"}, {"threshold": 0.9}),
     "standard B=4, threshold 0.8": (4, {"diffusion_policy": "standard"}, {"threshold": 0.8}),

@@ -114,7 +114,7 @@ def test_a_checkpoint_declares_its_own_unmasking_defaults():
     import json
 
     from vllm_diffusion.config import parse_engine_options
-    from vllm_diffusion.default_model import default_model_path
+    from vllm_diffusion.default_model import embedded_model_path
     from vllm_diffusion.options import OptionError
 
     tuned = model_capabilities(SDARConfig(diffusion_option_defaults={"threshold": 0.7}))
@@ -134,7 +134,7 @@ def test_a_checkpoint_declares_its_own_unmasking_defaults():
             "threshold": 1.5})))
     with pytest.raises(ValueError, match="must map option names to values"):
         model_capabilities(SDARConfig(diffusion_option_defaults=[0.7]))
-    shipped = json.loads((default_model_path() / "config.json").read_text())
+    shipped = json.loads((embedded_model_path() / "config.json").read_text())
     assert shipped["diffusion_option_defaults"] == {"threshold": 0.7}
 
 

@@ -16,7 +16,7 @@ import json
 
 import pytest
 
-from vllm_diffusion.default_model import DEFAULT_CHECKPOINT, TINY_CHECKPOINT
+from vllm_diffusion.default_model import EMBEDDED_CHECKPOINT, TINY_CHECKPOINT
 from vllm_diffusion_lab import offline
 from vllm_diffusion_lab.quality.harness import INSTRUCTION_FAMILIES, run, wilson_interval
 
@@ -105,7 +105,7 @@ def test_default_model_quality_floor():
     """The default 12-layer model at block 4 (the same 10 held-out problems per family):
     floors a little under what it reaches (measured: arithmetic 1.0, instructions 0.83;
     60 problems per family in ``benchmarks/RESULTS.md``)."""
-    assert (DEFAULT_CHECKPOINT / "model.safetensors").exists(), DEFAULT_CHECKPOINT
-    (standard,) = run(str(DEFAULT_CHECKPOINT), [4], [{}], PER_FAMILY)
+    assert (EMBEDDED_CHECKPOINT / "model.safetensors").exists(), EMBEDDED_CHECKPOINT
+    (standard,) = run(str(EMBEDDED_CHECKPOINT), [4], [{}], PER_FAMILY)
     assert standard["accuracy"]["arithmetic"] >= 0.8, standard["accuracy"]
     assert standard["instruction_accuracy"] >= 0.7, standard["accuracy"]

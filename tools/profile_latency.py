@@ -34,13 +34,13 @@ def main() -> None:
 
     from vllm import SamplingParams
 
-    from vllm_diffusion.default_model import default_model_path
+    from vllm_diffusion.default_model import embedded_model_path
     from vllm_diffusion.policies.latency_model import fit_piecewise, model_identity
     from vllm_diffusion_lab.offline import diffusion_llm
     from vllm_diffusion_lab.quality.corpus import mixed_eval_examples
     from vllm_diffusion_lab.quality.harness import chat_prompts
 
-    model = args.model or str(default_model_path())
+    model = args.model or str(embedded_model_path())
     block = args.block_size
     chunks = [c for c in range(1, block + 1) if block % c == 0 and c & (c - 1) == 0]
     by_rows: dict[int, list[float]] = {}

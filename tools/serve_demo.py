@@ -1,4 +1,5 @@
-"""The README's main job: serve the embedded default model and answer a request.
+"""The README's main job: serve the default model (SmolLM2-135M-Instruct converted to block
+diffusion, built by ``tools/setup_env.sh``) and answer a chat request.
 
 Starts ``vllm serve <default model> --diffusion-policy standard`` on loopback, streams a
 chat completion (printing the final tokens as they arrive), shows the diffusion counters
@@ -16,7 +17,7 @@ import requests
 from vllm_diffusion.default_model import default_model_path
 from vllm_diffusion_lab.fixtures.server import vllm_server
 
-QUESTION = "Start with 12, add 7, then subtract 4. What number do you get?"
+QUESTION = "What is the capital of Australia, and what is the city known for?"
 
 
 def main() -> None:

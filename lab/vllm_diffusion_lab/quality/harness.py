@@ -132,9 +132,9 @@ def main() -> None:
     parser.add_argument("--out", default="results/quality.json")
     args = parser.parse_args()
 
-    from vllm_diffusion.default_model import default_model_path
+    from vllm_diffusion.default_model import embedded_model_path
 
-    model = args.model or str(default_model_path())
+    model = args.model or str(embedded_model_path())
     runs = run(model, args.block_sizes, [json.loads(o) for o in args.options],
                args.per_family, args.max_tokens)
     out = pathlib.Path(args.out)
