@@ -47,7 +47,8 @@ def main() -> None:
         print(f"\n[{chunks} streamed chunks in {time.perf_counter() - start:.2f}s]")
         metrics = requests.get(f"{url}/metrics", timeout=10).text
         for line in metrics.splitlines():
-            if line.startswith("vllm:diffusion_") and "_total" in line:
+            if line.startswith("vllm:diffusion_") and "_total" in line \
+                    and 'layer="' not in line:  # the per-layer counters: 30 lines here
                 print(line)
         if args.keep:
             print("serving; Ctrl-C to stop")
