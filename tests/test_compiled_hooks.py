@@ -231,3 +231,53 @@ def test_compiled_pieces_guard_their_inputs_only():
         layers[1].output.weight.mul_(-1)
     args = (torch.arange(4.0), torch.randn(4, 8), None, None, None, None)
     torch.testing.assert_close(compiled(*args)[0], eager(*args)[0])
+
+
+def test_first_requests_after_start_up_compile_nothing(four_layer_checkpoint):
+    """The workers' start-up warm-up (``worker/warm_up.py``) decodes dummy requests through
+    FOCUS's pieces, so they are compiled before the engine is ready; after it the
+    engine's counters read zero, and requests of other batch sizes and prompt lengths,
+    whose hooks drop rows, compile no graph."""
+    import torch._dynamo.utils as dynamo_utils
+
+    block_size, checkpoint = 8, four_layer_checkpoint
+    mask_id, stops, vocab_size = checkpoint_info(checkpoint)
+    prompts = make_prompts(block_size, vocab_size, stops | {mask_id}, seed=90)
+    params = SamplingParams(temperature=0, max_tokens=2 * block_size + 3, ignore_eos=True)
+    with diffusion_llm(checkpoint, diffusion_block_size=block_size, enforce_eager=False,
+                       additional_config={"diffusion_policy": "focus"}) as llm:
+        start = llm.collective_rpc("diffusion_stats")[0]
+        assert start["engine_steps"] == 0 and start["tokens_committed"] == 0
+        worker = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker
+        (segments,) = _SEGMENTS[worker.worker.model_runner.model.model].values()
+        for _, _, piece in segments.pieces:  # compiled before any request
+            code = piece._torchdynamo_orig_callable.__code__
+            assert torch._dynamo.eval_frame._debug_get_cache_entry_list(code)
+        graphs = dynamo_utils.counters["stats"]["unique_graphs"]
+        for batch in (prompts[:1], prompts):
+            llm.generate([TokensPrompt(prompt_token_ids=p) for p in batch], params,
+                         use_tqdm=False)
+        assert dynamo_utils.counters["stats"]["unique_graphs"] == graphs
+        stats = stats_delta(start, llm.collective_rpc("diffusion_stats")[0])
+    per_layer = stats["block_positions_per_layer"]
+    assert per_layer[-1] < per_layer[0]  # the hooks ran: FOCUS dropped rows
+
+
+@pytest.mark.parametrize("eager, policy, connector, want", [
+    (False, "focus", False, True), (False, "es", False, True),
+    (True, "focus", False, False),  # nothing compiled
+    (False, "standard", False, False),  # no hooks: the model vLLM warmed up
+    (False, "focus", True, False),  # a scheduler of its own would touch the connector
+])
+def test_warm_up_runs_where_pieces_compile_at_first_use(eager, policy, connector, want):
+    from types import SimpleNamespace
+
+    from vllm_diffusion.policies import POLICIES
+    from vllm_diffusion.worker.warm_up import needs_warm_up
+
+    runner = SimpleNamespace(
+        policy=object.__new__(POLICIES[policy]),
+        vllm_config=SimpleNamespace(model_config=SimpleNamespace(enforce_eager=eager),
+                                    kv_transfer_config=object() if connector else None,
+                                    kv_events_config=None))
+    assert needs_warm_up(runner) is want

@@ -4,6 +4,7 @@ request validation, bursts, client disconnects and clean shutdown. Bounded in ti
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import json
 import re
 import time
@@ -22,12 +23,16 @@ SEQUENTIAL = {"strategy": "sequential"}  # one token per step: many steps per bl
 
 @pytest.fixture(scope="module")
 def server(dense_checkpoint, tmp_path_factory):
+    """The server, its log, and ``stop`` (SIGINT and wait; the last test stops it to read
+    the whole log, else the fixture's teardown does)."""
     log = tmp_path_factory.mktemp("server") / "serve.log"
-    with vllm_server(dense_checkpoint, "--diffusion-policy", "standard",
-                     "--additional-config", json.dumps({"diffusion_block_size": BLOCK_SIZE}),
-                     "--max-model-len", "512", "--max-num-seqs", str(MAX_NUM_SEQS),
-                     "--enforce-eager", log_path=log) as url:
-        yield {"url": url, "model": str(dense_checkpoint)}
+    with contextlib.ExitStack() as running:
+        url = running.enter_context(vllm_server(
+            dense_checkpoint, "--diffusion-policy", "standard",
+            "--additional-config", json.dumps({"diffusion_block_size": BLOCK_SIZE}),
+            "--max-model-len", "512", "--max-num-seqs", str(MAX_NUM_SEQS),
+            "--enforce-eager", log_path=log))
+        yield {"url": url, "model": str(dense_checkpoint), "log": log, "stop": running.close}
 
 
 def metric(url: str, name: str) -> float:
@@ -217,3 +222,27 @@ def test_structured_output_through_the_server(server):
                          timeout=60).status_code == 200
     assert metric(server["url"], "vllm:diffusion_num_grammar_fills_total") > 0
     assert metric(server["url"], "vllm:diffusion_num_grammar_accepts_total") >= 6
+
+
+def test_client_mistakes_and_a_normal_stop_leave_a_quiet_truthful_log(server):
+    """Runs last (it stops the server). A 400 in a stream and on /v1/messages is one INFO
+    line each; the log of the whole run, start-up to the normal stop (SIGINT), holds no
+    ERROR line, no traceback, no leak report (nanobind's, the resource tracker's) and not
+    both of vLLM's contradicting Triton lines."""
+    url, model = server["url"], server["model"]
+    with requests.post(f"{url}/v1/chat/completions", stream=True, timeout=60, json={
+            **chat_body(server), "stream": True, "vllm_xargs": {"no_such_option": 1}}
+            ) as response:
+        assert '"code": 400' in response.text and "no_such_option" in response.text
+    messages = requests.post(f"{url}/v1/messages", timeout=60, json={
+        "model": model, "max_tokens": 4, "top_k": -5,
+        "messages": [{"role": "user", "content": "Hi"}]})
+    assert messages.status_code == 400, messages.text
+    server["stop"]()
+    log = server["log"].read_text()
+    assert "Traceback" not in log and not re.search(r"\bERROR\b", log), log[-4000:]
+    assert "leaked" not in log, log[-4000:]
+    assert not ("Triton is not installed" in log and "doesn't include CPU backend" in log)
+    client_errors = [line for line in log.splitlines() if "Error, HTTP 400)" in line]
+    assert len(client_errors) >= 2, client_errors
+    assert all(" INFO " in line for line in client_errors), client_errors

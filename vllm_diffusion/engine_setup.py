@@ -78,6 +78,11 @@ class DiffusionModelConfigHook(VerifyAndUpdateConfig):
     def verify_and_update_config(vllm_config: Any) -> None:
         from vllm.platforms import current_platform
 
+        from vllm_diffusion.seams.log_filters import install_client_error_filters
+
+        # This process serves one of the plugin's models: its clients' mistakes are
+        # logged as one line (patches/README.md row 23).
+        install_client_error_filters()
         model_config = vllm_config.model_config
         hf_config = model_config.hf_config
         mask_token_id = getattr(hf_config, "mask_token_id", None)

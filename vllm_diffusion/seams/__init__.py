@@ -7,9 +7,11 @@ from __future__ import annotations
 
 
 def install() -> None:
-    from vllm_diffusion.seams import (async_llm, engine_args, input_processor, offline_llm,
-                                      openai_serving, output_processor, stat_loggers)
+    from vllm_diffusion.seams import (async_llm, engine_args, input_processor, log_filters,
+                                      offline_llm, openai_serving, output_processor,
+                                      stat_loggers)
 
+    log_filters.install_startup_filters()
     engine_args.install()
     input_processor.install()
     stat_loggers.install()

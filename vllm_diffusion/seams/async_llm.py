@@ -12,13 +12,30 @@ first; those the drain leaves get the 503.
 A request the HTTP server accepted just before the signal but had not yet handed to the
 engine would otherwise meet a renderer whose thread pool is shut down (HTTP 500 "cannot
 schedule new futures after shutdown") or a dead engine: once shutdown begins, rendering
-and ``add_request`` answer the same 503."""
+and ``add_request`` answer the same 503.
+
+A normal stop is not an engine failure (patches/README.md row 23): the stock shutdown
+stops the engine core and only then cancels the output handler, so the handler can read
+the engine's death first and log "AsyncLLM output_handler failed" with an
+``EngineDeadError`` traceback; once a diffusion engine's shutdown has begun, its core
+client's ``get_output_async`` ends the handler as the cancellation that was coming
+instead. And in abort mode vLLM gives the engine-core process no time between SIGTERM and
+SIGKILL (it gives ROCm 15 s for the same reason: a process killed mid-teardown leaves its
+resources behind), so on CPU the core and its worker died before unlinking their shared
+memory and semaphores, which Python's resource tracker then reported as leaked; the
+wrapper gives the process ``ENGINE_EXIT_GRACE_S`` to exit (it aborts its requests at once
+either way, by its own configuration). Last, the API server froze its start-up heap
+(``freeze_gc_heap``, so that collections skip it) and never unfreezes it: the frozen
+reference cycles then outlive the interpreter's finalization, among them Triton's
+bindings, and nanobind reported their types, functions and default arguments as leaked at
+every exit; the wrapper unfreezes the heap once the engine is down."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import functools
+import gc
 import weakref
 
 from vllm_diffusion.seams._wrapping import first_wrap, serves_diffusion_model
@@ -35,8 +52,30 @@ def shutting_down_error():
                              "retry it on another instance", HTTPStatus.SERVICE_UNAVAILABLE)
 
 
-# The diffusion engines, and their renderers, whose shutdown has begun.
+# The diffusion engines, their renderers and their engine-core clients, whose shutdown has
+# begun.
 _SHUTTING_DOWN: weakref.WeakSet = weakref.WeakSet()
+
+# Seconds the engine-core process gets to exit after SIGTERM in abort mode (vLLM's ROCm
+# grace); it exits as soon as its teardown is done.
+ENGINE_EXIT_GRACE_S = 15.0
+
+
+def _stop_is_not_death(get_output_async):
+    """``get_output_async`` of an engine-core client: the engine's death read after its
+    shutdown began ends the reader as a cancellation, not as an engine failure."""
+    from vllm.v1.engine.exceptions import EngineDeadError
+
+    @functools.wraps(get_output_async)
+    async def reading(self):
+        try:
+            return await get_output_async(self)
+        except EngineDeadError:
+            if self in _SHUTTING_DOWN:
+                raise asyncio.CancelledError from None
+            raise
+
+    return reading
 
 
 def _refuse_after_shutdown(method):
@@ -60,9 +99,11 @@ def _refuse_after_shutdown(method):
 def install() -> None:
     from vllm.renderers.base import BaseRenderer
     from vllm.v1.engine.async_llm import AsyncLLM
+    from vllm.v1.engine.core_client import AsyncMPClient
 
     if not first_wrap(AsyncLLM):
         return
+    AsyncMPClient.get_output_async = _stop_is_not_death(AsyncMPClient.get_output_async)
     shutdown = AsyncLLM.shutdown
     AsyncLLM.add_request = _refuse_after_shutdown(AsyncLLM.add_request)
     BaseRenderer.render_chat_async = _refuse_after_shutdown(BaseRenderer.render_chat_async)
@@ -95,16 +136,21 @@ def install() -> None:
     def shutdown_and_end_in_flight_requests(self, timeout: float | None = None):
         handler = getattr(self, "output_handler", None)
         ours = handler is not None and serves_diffusion_model(self.vllm_config)
-        if serves_diffusion_model(getattr(self, "vllm_config", None)):
-            _SHUTTING_DOWN.add(self)
-            if (renderer := getattr(self, "renderer", None)) is not None:
-                _SHUTTING_DOWN.add(renderer)
+        diffusion = serves_diffusion_model(getattr(self, "vllm_config", None))
+        if diffusion:
+            for part in (self, getattr(self, "renderer", None),
+                         getattr(self, "engine_core", None)):
+                if part is not None:
+                    _SHUTTING_DOWN.add(part)
         if ours and not timeout:
             # Abort mode (vLLM's default, shutdown_timeout 0): answer 503 before the
             # engine aborts the requests, which would end them as a 200 with
             # finish_reason "abort".
             on_loop(self, handler)
-        shutdown(self, timeout=timeout)
+        shutdown(self, timeout=ENGINE_EXIT_GRACE_S if diffusion and not timeout else timeout)
+        if diffusion:
+            # Collectable again, so that the process's exit frees what the server froze.
+            gc.unfreeze()
         if ours:
             # What a drain left unfinished, and requests the cancelled handler never
             # told.
