@@ -11,7 +11,15 @@ answer's end token; the block positions after it decode as end-of-text filler, i
 and over hard steps (at least 8 candidates, at most 3 decoded), next to a leftmost-first
 baseline (a candidate's negated position).
 
-    python benchmarks/decodability_study.py [--model DIR] [--block-size 32]
+On the default model (SmolLM2 converted in Fast-dLLM v2's form) the prompts are the real
+model's evaluation set (``real_model/evaluation_set.py``: definite questions and open
+requests, alternating); on a toy checkpoint (``--model``) the quality corpus's chat
+prompts. Where the model's logits are shifted, a masked position's token is read from the
+row before it, and the recorded importance is that row's (the row that decodes the
+position; the runner hands the hooks those rows as the block's candidate rows).
+
+    python benchmarks/decodability_study.py [--block-size 8] [--limit 96]
+    python benchmarks/decodability_study.py --model checkpoints/sdar-small-chat --block-size 32
 """
 
 from __future__ import annotations
@@ -149,11 +157,35 @@ def plot(report: dict, path: pathlib.Path) -> None:
     fig.savefig(path, dpi=120)
 
 
+def study_prompts(tokenizer, args) -> list:
+    """The default model's evaluation prompts (definite and open alternating, ``--limit``
+    in all), or a toy's quality-corpus chat prompts."""
+    from vllm import TokensPrompt
+
+    if args.model is not None:
+        from vllm_diffusion_lab.quality.corpus import eval_examples
+        from vllm_diffusion_lab.quality.harness import chat_prompts
+
+        return chat_prompts(tokenizer, eval_examples(args.per_family))
+    from vllm_diffusion_lab.real_model.evaluation import chat_prompt_ids
+    from vllm_diffusion_lab.real_model.evaluation_set import DEFINITE_QUESTIONS, OPEN_REQUESTS
+
+    half = args.limit // 2
+    texts = [q.prompt for q in DEFINITE_QUESTIONS[:args.limit - half]] + list(
+        OPEN_REQUESTS[:half])
+    return [TokensPrompt(prompt_token_ids=ids) for ids in chat_prompt_ids(tokenizer, texts)]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default=None)
-    parser.add_argument("--block-size", type=int, default=32)
-    parser.add_argument("--per-family", type=int, default=20)
+    parser.add_argument("--model", default=None,
+                        help="a toy checkpoint (default: the converted SmolLM2 default)")
+    parser.add_argument("--block-size", type=int, default=None,
+                        help="default: the checkpoint's (32 for a toy)")
+    parser.add_argument("--per-family", type=int, default=20, help="toy prompts per family")
+    parser.add_argument("--limit", type=int, default=96,
+                        help="evaluation prompts of the default model (half definite)")
+    parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--threshold", type=float, default=0.9)
     parser.add_argument("--out", default="results/decodability.json")
     parser.add_argument("--plot", default="results/decodability.png")
@@ -162,24 +194,27 @@ def main() -> None:
 
     from vllm import LLM, SamplingParams
 
-    from vllm_diffusion.default_model import embedded_model_path
-    from vllm_diffusion_lab.quality.corpus import eval_examples
-    from vllm_diffusion_lab.quality.harness import chat_prompts
+    from vllm_diffusion.default_model import default_model_path
     from vllm_diffusion_lab.recording import start_importance_recording, take_importance_records
 
-    model = args.model or str(embedded_model_path())
+    model = args.model or str(default_model_path())
+    block_size = args.block_size or (None if args.model is None else 32)
+    config = {"threshold": args.threshold}
+    if block_size is not None:
+        config["diffusion_block_size"] = block_size
     llm = LLM(model=model, dtype="float32", enforce_eager=True, seed=0, max_model_len=1024,
-              additional_config={"diffusion_block_size": args.block_size,
-                                 "threshold": args.threshold})
-    prompts = chat_prompts(llm.get_tokenizer(), eval_examples(args.per_family))
+              additional_config=config)
+    prompts = study_prompts(llm.get_tokenizer(), args)
     start_importance_recording(llm)
-    outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=128),
+    outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=args.max_tokens),
                            use_tqdm=False)
     records = take_importance_records(llm)
     answer_ends = {o.request_id: len(o.prompt_token_ids) + len(o.outputs[0].token_ids)
                    for o in outputs}
+    if block_size is None:  # the converted checkpoint's own
+        block_size = json.loads((pathlib.Path(model) / "config.json").read_text())["bd_size"]
     report = {"model": model, "model_name": pathlib.Path(model).name,
-              "block_size": args.block_size, "threshold": args.threshold,
+              "block_size": block_size, "max_tokens": args.max_tokens, "threshold": args.threshold,
               "prompts": len(prompts), **analyse(records),
               "answer_positions": analyse(answer_positions_only(records, answer_ends))}
     out = pathlib.Path(args.out)

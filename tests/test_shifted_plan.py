@@ -71,11 +71,28 @@ def test_a_run_from_a_known_position_reads_its_later_positions_from_the_rows_bef
     assert read_rows(rows) == [6]
 
 
+def test_rows_with_gaps_read_the_position_after_each_row_but_the_last():
+    """Rows with a gap (FOCUS's intra-block cache): block [4, 8) holding 5, a mask, 7, a
+    mask; rows 4, 6 and 7 computed: positions 5 and 7 read rows 4 and 6, the last row reads
+    nothing of the block. Without row 4, the masked position 5 is refused."""
+    known = KnownTokens([1, 2, 3, 4, 5], [])
+    gaps = dataclasses.replace(rows_for([5, MASK, 7, MASK], 4, [], known), positions=[4, 6, 7], token_ids=[5, 7, MASK],
+                               block_positions=torch.tensor([0, 2, 3]))
+    rows = shift_block_rows(gaps, known, B, MASK)
+    assert rows.block_positions.tolist() == [1, 3] and read_rows(rows) == [4, 6]
+    with pytest.raises(RuntimeError, match=r"masked block positions \[1\] .* without the "
+                                           r"rows before them"):
+        shift_block_rows(dataclasses.replace(gaps, positions=[5, 6, 7],
+                                             token_ids=[MASK, 7, MASK],
+                                             block_positions=torch.tensor([1, 2, 3])),
+                         known, B, MASK)
+
+
 @pytest.mark.parametrize("computed", [[2, 3], [0, 2]], ids=["masked-start", "gap"])
-def test_part_of_a_block_other_than_a_run_from_a_known_position_is_refused(computed):
+def test_a_masked_position_without_its_row_before_is_refused(computed):
     known = KnownTokens([1, 2], [])
     planned = rows_for([1, 2, MASK, MASK], 0, [], known)
     planned.block_positions = torch.tensor(computed)
-    with pytest.raises(RuntimeError, match="planned part of a block .* other than a run of "
-                                           "positions from a known one"):
+    with pytest.raises(RuntimeError, match=r"planned masked block positions \[2\] of a model "
+                                           r"whose logits are shifted without the rows"):
         shift_block_rows(planned, known, B, MASK)

@@ -122,6 +122,10 @@ class PolicyTraits:
     # whether it decodes models whose logits are shifted (the planner reads a block's
     # logits one row earlier than the rows the policy plans)
     shifted_logits: bool = False
+    # whether, where logits are shifted, its forwards that compute part of a block (its
+    # plans, its dropped rows) keep the row before every masked position they decode, so
+    # that the shift alone does not make it compute whole blocks
+    shifted_partial_blocks: bool = False
     # why some forward computes only a run of a block's positions that starts at a known
     # one (the active sub-block; every masked position's row before it is computed, so
     # shifted logits are served), or None
@@ -173,7 +177,11 @@ def refusal(model: ModelCapabilities, policy: Any, options: Mapping[str, Any],
         return (f"the {policy.name} policy cannot serve {model.family}: "
                 f"{traits.sub_block_rows} ({model.whole_blocks_reason}, so every forward "
                 f"must compute whole blocks)")
-    if model.needs_whole_blocks:
+    # a model that needs whole blocks only for its shifted logits, and a policy whose
+    # partial blocks keep every decoded position's row before it
+    shifted_only = (model.shifted_logits and model.routing_block_size is None
+                    and model.attention != "full")
+    if model.needs_whole_blocks and not (shifted_only and traits.shifted_partial_blocks):
         routing = model.routing_block_size
         if traits.partial_blocks is not None:
             return (f"the {policy.name} policy cannot serve {model.family}: "

@@ -44,8 +44,13 @@ class RecordingHooks(StepHooks):
         # req_id -> the request's index among the recorded ones
         self.index = {s.request.req_id: i for i, s in enumerate(
             s for s in step.requests if s.request is not None)}
-        self.candidate_rows = [s.masked_rows(mask_token_id) for s in step.requests
-                               if s.request is not None]
+        recorded = [s for s in step.requests if s.request is not None]
+        self.candidate_rows = [s.masked_rows(mask_token_id) for s in recorded]
+        # each recorded request's candidates' block positions, in the order of their rows
+        # (where logits are shifted, a candidate's row is the one before its position)
+        self.candidate_positions = [
+            s.block_positions[s.request.canvas.masked(mask_token_id)[s.block_positions]]
+            for s in recorded]
         self.device = step.device
         self.importance: dict[int, list[torch.Tensor | None]] = {}
 
@@ -72,15 +77,17 @@ class RecordingHooks(StepHooks):
         if self.inner is not None:
             self.inner.after_key_scoring(layer, selected)
 
-    def scores(self, request: DiffusionRequest) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(I1 - I0, I1) of the request's masked positions, or None if not recorded."""
+    def scores(self, request: DiffusionRequest
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """(block positions, I1 - I0, I1) of the request's computed masked positions, or
+        None if not recorded."""
         index = self.index.get(request.req_id)
         if index is None or len(self.importance) < len(RECORDED_LAYERS):
             return None
         first, second = (self.importance[layer][index] for layer in RECORDED_LAYERS)
         if second is None:
             return None
-        return (second - first).cpu(), second.cpu()
+        return self.candidate_positions[index], (second - first).cpu(), second.cpu()
 
 
 class RecordingPolicy(DecodingPolicy):
@@ -183,13 +190,12 @@ class RecordingPolicy(DecodingPolicy):
         scores = self.current.scores(request) if self.current is not None else None
         if scores is None:
             return
-        delta, layer1 = scores
-        masked = request.canvas.masked(self.mask_token_id)
+        positions, delta, layer1 = scores
         self.records.append({
             "req_id": request.req_id,
-            "positions": (request.canvas.start + torch.nonzero(masked).flatten()).tolist(),
+            "positions": (request.canvas.start + positions).tolist(),
             "delta": delta.tolist(), "layer1": layer1.tolist(),
-            "decoded": commit[masked].tolist()})
+            "decoded": commit[positions].tolist()})
 
 
 class RecordingUnmasking(BlockUnmasking):

@@ -52,6 +52,9 @@ class StepRequest:
     block_rows: torch.Tensor | None  # [n] query rows of its computed block positions
     block_positions: torch.Tensor | None  # [n] block-relative positions of those rows
     key_end: int = 0  # one past its last key this step (full attention: the canvas's end)
+    # rows before its block position a block position's logits are read from (1: shifted
+    # logits; a block row's own position is its block position minus this)
+    logits_shift: int = 0
 
     @property
     def block_only(self) -> bool:

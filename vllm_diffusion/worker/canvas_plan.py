@@ -83,7 +83,8 @@ def plan_canvas_request(req_id: str, token_ids: KnownTokens, num_computed: int,
     return RequestRows(req_id, list(rows), tokens, end, 0, request, positions,
                        block_row_start=(block_start + int(positions[0]) - rows.start
                                         - logits_shift) if len(positions) else None,
-                       kv_refresh=refresh and cached, commit_candidates=first_alone)
+                       kv_refresh=refresh and cached, commit_candidates=first_alone,
+                       logits_shift=logits_shift)
 
 
 class CanvasPlanner:

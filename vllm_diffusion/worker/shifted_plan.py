@@ -16,9 +16,11 @@ logits are read from, always the row before it:
   follow, with its first token known. Should the step hold no commit row (that row's KV
   cached already), the row is computed again, which rewrites its KV unchanged. That
   step's proposal is the argmax at any temperature, as the published commit step's;
-- a step that computes a run of the block's positions from a known one (the active
-  sub-block under Fast-dLLM v2's block cache, ``policies/sub_block_cache.py``) reads each
-  later position of the run from the row before it, all rows of the run.
+- a step that computes part of the block (the active sub-block under Fast-dLLM v2's
+  block cache, ``policies/sub_block_cache.py``; the rows FOCUS's intra-block cache has
+  not frozen) reads, from each computed row but the last, the position after it: a run of
+  positions from a known one reads each later position of the run. Every masked position
+  it computes must have its row before it computed (the policy's traits promise it).
 """
 
 from __future__ import annotations
@@ -40,11 +42,11 @@ def shift_block_rows(rows: RequestRows, token_ids: KnownTokens, block_size: int,
     if rows.request is None:  # a prefill chunk: no logits
         return rows
     if len(rows.block_positions) != block_size:
-        return shift_run_rows(rows, mask_token_id)
+        return shift_partial_rows(rows, mask_token_id)
     num_commit = len(rows.positions) - block_size
     if int(rows.canvas.tokens[0]) != mask_token_id:
         return dataclasses.replace(rows, block_positions=after_first(block_size),
-                                   block_row_start=num_commit)
+                                   block_row_start=num_commit, logits_shift=1)
     start = rows.canvas.start
     if start == 0:
         raise RuntimeError(f"request {rows.req_id}: a block at position 0 with no known "
@@ -54,21 +56,25 @@ def shift_block_rows(rows: RequestRows, token_ids: KnownTokens, block_size: int,
         positions, tokens = [start - 1], token_ids[start - 1:start]
     return dataclasses.replace(rows, positions=positions, token_ids=tokens, kv_len=start,
                                block_positions=first_only(),
-                               block_row_start=len(positions) - 1, argmax_proposals=True)
+                               block_row_start=len(positions) - 1, argmax_proposals=True,
+                               logits_shift=1)
 
 
-def shift_run_rows(rows: RequestRows, mask_token_id: int) -> RequestRows:
-    """``rows`` (a step planned on a run of block positions that starts at a known one)
-    with each later position of the run read from the row before it."""
-    computed = rows.block_positions  # [n] int64, ascending
-    start, count = int(computed[0]), len(computed)
-    if (int(computed[-1]) != start + count - 1
-            or int(rows.canvas.tokens[start]) == mask_token_id):
-        raise RuntimeError(f"request {rows.req_id}: the policy planned part of a block of a "
-                           f"model whose logits are shifted other than a run of positions "
-                           f"from a known one (its traits should have refused it)")
-    return dataclasses.replace(rows, block_positions=computed[1:],
-                               block_row_start=len(rows.positions) - count)
+def shift_partial_rows(rows: RequestRows, mask_token_id: int) -> RequestRows:
+    """``rows`` (a step planned on part of a block) with the position after each computed
+    row but the last read from that row."""
+    computed = rows.block_positions  # [n] int64, ascending: the computed rows' positions
+    count = len(computed)
+    masked = rows.canvas.tokens[computed] == mask_token_id  # [n]
+    read = torch.zeros(count, dtype=torch.bool)  # positions whose row before is computed
+    read[1:] = computed[1:] == computed[:-1] + 1
+    if bool((masked & ~read).any()):
+        raise RuntimeError(f"request {rows.req_id}: the policy planned masked block "
+                           f"positions {computed[masked & ~read].tolist()} of a model whose "
+                           f"logits are shifted without the rows before them (its traits "
+                           f"should have refused it)")
+    return dataclasses.replace(rows, block_positions=computed[:-1] + 1,
+                               block_row_start=len(rows.positions) - count, logits_shift=1)
 
 
 @functools.lru_cache(maxsize=8)

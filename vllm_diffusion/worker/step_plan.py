@@ -62,6 +62,9 @@ class RequestRows:
     # the block's proposals are the argmax whatever the temperature (a shifted model's
     # block's first token, read at the previous block's commit as its published loop does)
     argmax_proposals: bool = False
+    # rows before its block position a block position's logits are read from (1 where the
+    # model's logits are shifted: ``shifted_plan.py``)
+    logits_shift: int = 0
 
     @property
     def canvas(self) -> BlockCanvas | None:
@@ -156,7 +159,7 @@ def forward_step(rows: list[RequestRows], device: torch.device) -> ForwardStep:
         requests.append(StepRequest(r.request, span,
                                     torch.arange(first_block_row,
                                                  first_block_row + len(r.block_positions)),
-                                    r.block_positions, r.kv_len))
+                                    r.block_positions, r.kv_len, r.logits_shift))
     return ForwardStep(requests, offset, device)
 
 

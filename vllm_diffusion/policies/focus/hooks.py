@@ -12,6 +12,11 @@ right of it may not. Rows that are not block rows of an evicting request (prefil
 commit rows, requests with ``evict=False`` and requests the runner keeps whole) always continue.
 The evicting blocks' [P, B] grids are read from the block slots and the policy's slot
 table at once (``step.slots``).
+
+Where logits are shifted (``StepRequest.logits_shift``), the grids are over the positions
+the block rows decode, each row one position before the one it decodes: the keys stop
+after the rightmost kept row, and the rows after the block rows (the last row, which
+decodes the next block's first position) stop with them once a block evicts.
 """
 
 from __future__ import annotations
@@ -50,6 +55,12 @@ class FocusStepHooks(StepHooks):
             torch.arange(len(self.blocks)),
             torch.tensor([len(s.block_rows) for _, s in self.blocks], dtype=torch.long))
         self.positions = torch.cat([s.block_positions for _, s in self.blocks])
+        # [P] rows between a block row's position and the position it decodes
+        self.shifts = [s.logits_shift for _, s in self.blocks]
+        # per evicting block, its rows after its block rows (where logits are shifted)
+        self.trailing_rows = [torch.arange(int(s.block_rows[-1]) + 1, s.rows.stop)
+                              if s.logits_shift and len(s.block_rows) else None
+                              for _, s in self.blocks]
         masked = block_tokens([r.canvas for r in requests]) == mask_token_id  # [P, B]
         self.block_size = masked.shape[1]
         # [P, B] bool: the positions computed this step, and the masked ones among them
@@ -109,7 +120,11 @@ class FocusStepHooks(StepHooks):
                                                                    self.positions]
         positions = torch.arange(retained.shape[1])
         rightmost = torch.where(retained, positions, -1).max(dim=1).values
-        kv_lens = {self.blocks[i][0]: requests[i].canvas.start + end + 1
-                   for i, end in zip(torch.nonzero(changed).flatten().tolist(),
-                                     rightmost[changed].tolist())}
+        kv_lens = {}
+        for i, end in zip(torch.nonzero(changed).flatten().tolist(),
+                          rightmost[changed].tolist()):
+            # one past the rightmost kept row (a row is its decoded position - shift)
+            kv_lens[self.blocks[i][0]] = requests[i].canvas.start + end + 1 - self.shifts[i]
+            if self.trailing_rows[i] is not None:
+                keep[layer_input.current_rows(self.trailing_rows[i])] = False
         return RowSelection(keep, kv_lens)

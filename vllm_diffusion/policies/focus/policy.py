@@ -21,6 +21,15 @@ Commit of a completed block: ``exact`` re-encodes the decoded block in the next 
 committed KV equals a clean forward); ``delayed`` recomputes only the positions the
 intra-block cache has not frozen (those decoded at the block's last steps), as the
 paper's implementation does, and keeps the frozen positions' KV.
+
+Where the model's logits are shifted (Fast-dLLM v2's form: position j is read from row
+j - 1), FOCUS works on the positions the rows decode, a choice the paper (on SDAR and
+LLaDA2, whose rows predict their own positions) does not make: the candidates' importance
+is that of the rows that decode them (``benchmarks/decodability_study.py`` measures this
+signal), the retained positions keep their rows before them, and the keys stop after the
+rightmost kept row. The intra-block cache then decides rows, not positions: a row is
+frozen once its token and the one after it (the token it predicts) are decoded. The
+delayed commit is refused there.
 """
 
 from __future__ import annotations
@@ -126,7 +135,8 @@ class FocusPolicy(StrategyPolicy[FocusConfig, FocusRequestState]):
         return dataclasses.replace(super().traits(options), partial_blocks=(
             "it computes whole blocks only with its full budget: set 'evict' and "
             "'intra_block_cache' to false and keep commit='exact'") if partial else None,
-            skips_rows=bool(value("evict")))
+            skips_rows=bool(value("evict")), shifted_logits=True,
+            shifted_partial_blocks=value("commit") == "exact")
 
     def __init__(self, block_size: int, mask_token_id: int,
                  engine_config: FocusConfig) -> None:
