@@ -162,7 +162,7 @@ def test_a_whole_canvas_family_refuses_a_canvas_larger_than_its_block():
     assert request_refusal(FIXED, SamplingParams(max_tokens=17), block_size=16) is None
 
 
-def test_shifted_logits_take_standard_on_whole_blocks_and_focus_keeping_rows_before():
+def test_shifted_logits_take_standard_on_whole_blocks_and_focus_and_es():
     shifted = ModelCapabilities(family="Shifted", shifted_logits=True)
     assert shifted.needs_whole_blocks
     assert refusal(shifted, POLICIES["standard"], {}) is None
@@ -171,7 +171,8 @@ def test_shifted_logits_take_standard_on_whole_blocks_and_focus_keeping_rows_bef
     message = refusal(shifted, POLICIES["focus"], {"commit": "delayed"})
     assert message.startswith("the focus policy cannot serve Shifted: it computes whole "
                               "blocks only with its full budget"), message
-    for name in ("es", "elastic", "sparse_prefix", "ada"):
+    assert refusal(shifted, POLICIES["es"], {}) is None  # it keeps every row before, too
+    for name in ("elastic", "sparse_prefix", "ada"):
         message = refusal(shifted, POLICIES[name], {})
         assert message.startswith(f"the {name} policy cannot serve Shifted, whose logits "
                                   f"are shifted"), message
@@ -193,8 +194,8 @@ def test_fast_dllm_v2_declares_its_published_decoding():
                                            "sub_block_size": 8}
     assert refusal(model, POLICIES["standard"], dict(model.option_defaults),
                    block_size=32) is None
-    assert refusal(model, POLICIES["es"], {}).startswith(
-        "the es policy cannot serve Fast-dLLM v2, whose logits are shifted")
+    assert refusal(model, POLICIES["elastic"], {}).startswith(
+        "the elastic policy cannot serve Fast-dLLM v2, whose logits are shifted")
 
 
 def test_full_attention_cache_modes_of_the_seed_methods():

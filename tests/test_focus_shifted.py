@@ -51,6 +51,7 @@ def test_focus_equals_the_shifted_focus_reference(checkpoint, block_size):
         reference, PROMPTS[name], block_size=block_size, mask_id=mask_id,
         max_tokens=MAX_TOKENS, config=FocusConfig(**OPTIONS, **CASES[case]))
         for case, name in cases}
+    assert len({tuple(v) for v in want.values()}) > len(PROMPTS)  # the cases differ
 
     def params(case):
         return SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True,
@@ -59,17 +60,24 @@ def test_focus_equals_the_shifted_focus_reference(checkpoint, block_size):
 
     with diffusion_llm(checkpoint, diffusion_block_size=block_size, max_num_seqs=16,
                        additional_config={"diffusion_policy": "focus"}) as llm:
-        before = llm.collective_rpc("diffusion_stats")[0]
-        for case, name in cases:
-            alone = llm.generate(token_prompts([PROMPTS[name]]), params(case),
-                                 use_tqdm=False)[0].outputs[0]
-            assert list(alone.token_ids) == want[case, name], (case, name)
-        after = llm.collective_rpc("diffusion_stats")[0]
-        batch = llm.generate(token_prompts([PROMPTS[name] for _, name in cases]),
-                             [params(case) for case, _ in cases], use_tqdm=False)
+        assert_equal_alone_and_batched(llm, PROMPTS, cases, params, want)
+
+
+def assert_equal_alone_and_batched(llm, prompts: dict, cases: list, params, want: dict
+                                   ) -> None:
+    """Each (case, prompt name) of ``cases`` alone, then all in one batch, gives ``want``'s
+    tokens; and the step's hooks dropped rows (fewer block rows went through the later
+    layers than were computed)."""
+    before = llm.collective_rpc("diffusion_stats")[0]
+    for case, name in cases:
+        alone = llm.generate(token_prompts([prompts[name]]), params(case),
+                             use_tqdm=False)[0].outputs[0]
+        assert list(alone.token_ids) == want[case, name], (case, name)
+    after = llm.collective_rpc("diffusion_stats")[0]
+    batch = llm.generate(token_prompts([prompts[name] for _, name in cases]),
+                         [params(case) for case, _ in cases], use_tqdm=False)
     for key, output in zip(cases, batch):
         assert list(output.outputs[0].token_ids) == want[key], key
-    # the hooks evicted: fewer rows went through the later layers than were computed
     assert (after["block_positions_after_eviction"] - before["block_positions_after_eviction"]
             < after["block_positions_computed"] - before["block_positions_computed"])
 

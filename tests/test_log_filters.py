@@ -112,6 +112,21 @@ def test_the_filtered_loggers_are_vllms_that_log_tracebacks():
     assert f'"{log_filters.TRITON_NOT_INSTALLED} triton-cpu' in cpu
 
 
+def test_the_plugins_loggers_print_through_vllms_handlers(monkeypatch):
+    ours, theirs = logging.getLogger("vllm_diffusion"), logging.getLogger("vllm")
+    handler = logging.StreamHandler(io.StringIO())
+    monkeypatch.setattr(theirs, "handlers", [handler])
+    monkeypatch.setattr(theirs, "level", logging.INFO)
+    monkeypatch.setattr(ours, "handlers", [])
+    monkeypatch.setattr(ours, "level", logging.NOTSET)
+    monkeypatch.setattr(ours, "propagate", True)
+    log_filters.route_plugin_logs()
+    log_filters.route_plugin_logs()  # once
+    assert ours.handlers == [handler] and not ours.propagate and ours.level == logging.INFO
+    logging.getLogger("vllm_diffusion.worker.warm_up").info("warmed up")
+    assert handler.stream.getvalue() == "warmed up\n"
+
+
 def test_filters_are_installed_once():
     log_filters.install_startup_filters()
     log_filters.install_startup_filters()

@@ -38,6 +38,7 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
+from vllm_diffusion.architectures import ARCHITECTURES
 from vllm_diffusion.capabilities import CACHE_MODES, ModelCapabilities
 from vllm_diffusion.compact_json import ANY_WHITESPACE_KEY, parse_any_whitespace
 from vllm_diffusion.options import (OptionError, Rule, option_names, parse_options,
@@ -289,8 +290,8 @@ def engine_config_from_vllm(vllm_config: Any) -> DiffusionEngineConfig:
         return config
     raise RuntimeError(
         "vllm-diffusion configuration was not resolved at start-up; is the model one of "
-        "the plugin's architectures (SDAR, SDAR-MoE, LLaDA2) and the vllm_diffusion plugin "
-        "loaded?"
+        f"the plugin's architectures ({', '.join(sorted(ARCHITECTURES))}) and the "
+        "vllm_diffusion plugin loaded?"
     )
 
 

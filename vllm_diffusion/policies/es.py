@@ -33,6 +33,17 @@ block's first step, a step after the block's KV was lost (preemption), every
 for LLaDA on BBH, HumanEval and MBPP, the authors' scripts' most common setting; the
 default), and the block's last allowed step (so ``denoising_steps`` holds).
 
+Where logits are shifted (Fast-dLLM v2's form, the converted default: position j is read
+from row j - 1), every entry is the row that decodes a position, a choice the paper (on
+LLaDA and Dream's dual cache) does not make: importance, confidence and cached output
+belong to the decoded position, the leftmost-mask bonus goes to the row before the
+leftmost mask, and the just-decoded bonus to the rows holding the just-decoded tokens
+(whose KV it refreshes: position p's token is in the row that decodes p + 1). The block's
+last row, which decodes the next block's first token, always continues. The step that
+reads the block's first token from the previous block's commit computes none of the
+block's rows: it is not one of the block's steps (the block's first step computes
+everything, the refresh period counts from it).
+
 Deviations, with their reasons:
 - The committed prefix's KV is exact (committed blocks are re-encoded as in ``standard``),
   so the paper's prompt refresh has nothing to act on; the block refresh counts the steps
@@ -196,7 +207,13 @@ class EsHooks(StepHooks):
         alpha = torch.tensor([c.alpha for c in configs])[:, None]  # [R, 1]
         uses = torch.tensor([c.priority_bonuses for c in configs])[:, None]
         self.alpha_terms = (alpha, 1 - alpha)
-        self.bonus = self._fixed_bonuses(masked, decoded, uses, alpha)
+        # the positions whose rows the previous step's decoded tokens are in: where logits
+        # are shifted, a token's row decodes the position after it
+        refreshed = decoded.clone()
+        shifted = torch.tensor([s.logits_shift == 1 for s in self.requests])
+        refreshed[shifted] = False
+        refreshed[shifted, 1:] = decoded[shifted, :-1]
+        self.bonus = self._fixed_bonuses(masked, refreshed, uses, alpha)
         self.top_two_bonus = (uses & (alpha > 0.0)) * TOP_CONFIDENCE_BONUS  # [R, 1]
         # Without the bonuses, the most confident masked position of each block continues.
         self.guarded = masked & ~uses if not bool(uses.all()) else None
@@ -212,7 +229,7 @@ class EsHooks(StepHooks):
     def _fixed_bonuses(self, masked: torch.Tensor, decoded: torch.Tensor, uses: torch.Tensor,
                        alpha: torch.Tensor) -> torch.Tensor:
         """[R, B] the bonuses that do not depend on the layer: leftmost masked position,
-        positions decoded by the previous step (``decoded``: [R, B])."""
+        the rows of the tokens decoded by the previous step (``decoded``: [R, B])."""
         bonus = torch.zeros(masked.shape)
         rows = torch.nonzero(masked.any(dim=1) & uses[:, 0]).flatten()
         leftmost = masked.int().argmax(dim=1)  # the first masked position
@@ -277,7 +294,8 @@ class EsPolicy(StrategyPolicy[EsConfig, EsState]):
         """Plans whole blocks and drops rows inside the forward; under full attention it
         skips within the cached window."""
         return dataclasses.replace(
-            super().traits(options), partial_blocks=None,
+            super().traits(options), partial_blocks=None, shifted_logits=True,
+            shifted_partial_blocks=True,
             skips_rows=option_value(cls.config_cls, options, "skip_ratio") > 0,
             attention_regimes=("block_causal", "full"), cache_modes=("dual",),
             cache_modes_reason=("ES-dLLM skips positions of the block a cached step "
@@ -314,10 +332,13 @@ class EsPolicy(StrategyPolicy[EsConfig, EsState]):
         if not (resumed and state.started):
             self.slot_state.start_block(request.slot)
             state.started = state.stale_outputs = True
+            state.first_token_steps = 0
 
     def plan_step(self, request: EsRequest) -> BlockStepPlan:
         state, config = request.policy_state, request.policy_config
-        step = request.canvas.steps
+        state.reads_first_token = (self.model.shifted_logits and
+                                   int(request.canvas.tokens[0]) == self.mask_token_id)
+        step = request.canvas.steps - state.first_token_steps  # the denoising steps
         period = config.refresh_period
         state.full_step = (state.kv_lost or config.skip_ratio == 0.0
                            or request.keep_all_rows

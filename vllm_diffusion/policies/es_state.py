@@ -27,6 +27,11 @@ class EsState:
     # The slot's cached outputs still hold an earlier block's (or request's): zeroed
     # by the next forward's hooks, before any is read
     stale_outputs: bool = True
+    # where logits are shifted: the step reads the block's first token from the previous
+    # block's commit (none of the block's rows computed), and how many steps of the block
+    # did (they are not the block's denoising steps)
+    reads_first_token: bool = False
+    first_token_steps: int = 0
 
 
 class EsSlotState:
@@ -80,5 +85,9 @@ class EsUnmasking(StrategyUnmasking):
         confidence[slots] = torch.where(computed, observed, confidence[slots])
         self.slot_state.decoded_last_step.covering(slots)[slots] = commits
         for request in batch.requests:
-            request.policy_state.kv_lost = False
+            state = request.policy_state
+            if state.reads_first_token:  # the block's rows are still to be computed
+                state.first_token_steps += 1
+            else:
+                state.kv_lost = False
         return commits

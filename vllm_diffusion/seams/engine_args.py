@@ -15,11 +15,15 @@ def install() -> None:
     original_from_cli_args = EngineArgs.from_cli_args.__func__
 
     def add_cli_args(parser):
+        from vllm_diffusion.architectures import ARCHITECTURES
         from vllm_diffusion.policies import POLICIES
 
         parser = original_add_cli_args(parser)
         group = parser.add_argument_group(
-            title="vllm-diffusion", description="Block-diffusion decoding (SDAR, LLaDA2).")
+            title="vllm-diffusion",
+            description="Diffusion language models (the architectures of "
+                        "vllm_diffusion.architectures: " + ", ".join(sorted(ARCHITECTURES))
+                        + ").")
         group.add_argument(
             "--diffusion-policy", default=None, choices=sorted(POLICIES),
             help="Decoding policy for block-diffusion models; its options go in "

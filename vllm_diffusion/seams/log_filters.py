@@ -14,6 +14,9 @@ tracebacks for requests a client got wrong (patches/README.md row 23).
   vLLM declares a client error (``VLLMClientError``) or a ``GracefulHTTPError`` (an answer
   with a status, e.g. 503 while shutting down), into one line without the traceback: INFO
   for a 4xx, WARNING otherwise. Every other exception keeps its ERROR and traceback.
+- vLLM configures a handler on its ``vllm`` logger only, so the plugin's own loggers
+  (``vllm_diffusion.*``) printed nothing below WARNING and their warnings bare, without
+  vLLM's prefix: ``route_plugin_logs`` gives them vLLM's handlers and level.
 """
 
 from __future__ import annotations
@@ -85,9 +88,24 @@ def _add_once(logger: logging.Logger, kind: type[logging.Filter]) -> None:
         logger.addFilter(kind())
 
 
+PLUGIN_LOGGER = "vllm_diffusion"
+
+
+def route_plugin_logs() -> None:
+    """The plugin's loggers print through vLLM's handlers at vLLM's level (once)."""
+    ours, theirs = logging.getLogger(PLUGIN_LOGGER), logging.getLogger("vllm")
+    if ours.handlers or not theirs.handlers:
+        return
+    for handler in theirs.handlers:
+        ours.addHandler(handler)
+    ours.setLevel(theirs.level)
+    ours.propagate = False
+
+
 def install_startup_filters() -> None:
     """At the plugin's registration (every process), before vLLM builds its config."""
     _add_once(logging.getLogger(CPU_PLATFORM_LOGGER), TritonNotInstalledFilter)
+    route_plugin_logs()
 
 
 def install_client_error_filters() -> None:
