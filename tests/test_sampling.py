@@ -7,11 +7,21 @@ import types
 
 import pytest
 import torch
+from reference_sampling import propose_tokens
 
-from vllm_diffusion.worker.proposal import propose_for_requests
-from vllm_diffusion.worker.sampling import propose_tokens
+from vllm_diffusion.worker.proposal import ProposalPipeline
 
 MASK = 3
+
+
+def propose_for_requests(logits: torch.Tensor, mask_token_id: int, counts: list[int],
+                         params: list, generators: list,
+                         confidence_rule: str = "sampled_token"
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The pipeline's proposals (tokens, confidences) for the rows of several requests."""
+    proposals = ProposalPipeline(mask_token_id, confidence_rule).propose(logits, counts,
+                                                                         params, generators)
+    return proposals.tokens, proposals.confidence
 
 
 def params(temperature=0.0, top_k=0, top_p=1.0, min_p=0.0):

@@ -182,19 +182,6 @@ def route_in_pool(hidden_states: torch.Tensor, gating_output: torch.Tensor, topk
     return chosen_weights(scores, ids, scaling)
 
 
-def block_route(gating_output: torch.Tensor, positions: torch.Tensor,
-                expert_bias: torch.Tensor, top_k: int, capacity: int,
-                routing_block_size: int, scaling: float
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-    """LLaDA2.2's block routing of a forward's rows, as ``LLaDA2MoE`` runs it (the pool
-    before vLLM's fused MoE, the per-token choice inside it): ([T, k] weights, [T, k]
-    expert ids) from fp32 router logits [T, E] and the rows' positions [T]."""
-    pooled = block_pool_logits(gating_output, routing_blocks(positions, routing_block_size),
-                               expert_bias, capacity)
-    return route_in_pool(None, pooled, top_k, False, expert_bias=expert_bias,
-                         scaling=scaling)
-
-
 class LLaDA2Router(nn.Module):
     """``mlp.gate``: the router weight [E, hidden] and ``expert_bias`` [E], both fp32."""
 

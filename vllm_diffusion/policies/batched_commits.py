@@ -1,6 +1,7 @@
-"""The engine's commit choice: ``unmasking.choose_commits`` for R blocks at once, each
-block by its own strategy; only the strategies some block follows are computed (tested
-against the per-block reference on a named grid, every strategy mixed and each alone).
+"""The engine's commit choice: the unmasking strategies (``unmasking.py``) for R blocks at
+once, each block by its own strategy; only the strategies some block follows are computed
+(tested against the per-block reference, ``tests/reference_unmasking.py``, on a named
+grid, every strategy mixed and each alone).
 """
 
 from __future__ import annotations
@@ -16,8 +17,12 @@ from vllm_diffusion.policies.unmasking import STRATEGIES
 
 def batched_factor_count(ranked: torch.Tensor, num_masked: torch.Tensor,
                          factor: torch.Tensor) -> torch.Tensor:
-    """``factor_count`` for R blocks: ranked [R, B] confidences in descending order
-    (masked positions first), num_masked [R], factor [R] float; returns [R] int64."""
+    """How many masked positions Fast-dLLM's dynamic rule (``get_transfer_index_dynamic``,
+    NVlabs/Fast-dLLM f6b35ec) commits, for R blocks: the ranks before the first rank n
+    (1-based) whose confidence is below 1 - factor / (n + 1) (the first rank always
+    passes), except that a failure at the last rank, or none, commits all. ranked [R, B]
+    confidences in descending order (masked positions first), num_masked [R], factor [R]
+    float; returns [R] int64."""
     block = ranked.shape[1]
     index = torch.arange(block)
     bar = 1.0 - factor.double()[:, None] / (index[None, :] + 2)  # [R, B]

@@ -41,20 +41,12 @@ def timesteps(steps: int, eps: float) -> torch.Tensor:
     return torch.linspace(1, eps, steps + 1)
 
 
-def timestep_quota(num_masked: int, step: int, steps: int, eps: float) -> int:
-    """Masked positions to unmask at block step ``step`` of ``steps`` (the plain
-    reference of ``batched_timestep_quota``)."""
-    if step >= steps - 1:
-        return num_masked
-    times = timesteps(steps, eps)
-    masks = torch.tensor(num_masked) / 1  # float32, as the published ``sum() / batch``
-    return int(masks * (1 - times[step + 1] / times[step]))
-
-
 def batched_timestep_quota(num_masked: torch.Tensor, steps_taken: torch.Tensor,
                            steps_allowed: torch.Tensor, eps: torch.Tensor,
                            scheduled: torch.Tensor) -> torch.Tensor:
-    """[R] int64: ``timestep_quota`` of the ``scheduled`` blocks (0 elsewhere).
+    """[R] int64: the masked positions each ``scheduled`` block unmasks at its step (0
+    elsewhere): ``int(M * (1 - t_{s+1} / t_s))``, every one at the last allowed step
+    (plain reference: ``tests/reference_unmasking.py``).
 
     num_masked, steps_taken, steps_allowed: [R] int64; eps: [R] float64 (the options'
     values, so that the timesteps are exactly the published ones); scheduled: [R] bool.

@@ -26,7 +26,8 @@ block within ``denoising_steps`` steps; ``threshold``, ``entropy_bounded`` and
 
 ``strategy_unmasking.StrategyUnmasking`` is the engine's decision by these (with LLaDA2.1
 token editing), and ``strategy_unmasking.StrategyPolicy`` the base of the policies that
-decide by it.
+decide by it. The plain per-block reference of the batched choice
+(``batched_commits.batched_choose_commits``) is ``tests/reference_unmasking.py``.
 """
 
 from __future__ import annotations
@@ -39,8 +40,7 @@ import torch
 from vllm_diffusion.options import OptionError, Rule, option
 from vllm_diffusion.policies.base import PolicyConfig
 from vllm_diffusion.policies.entropy_bounded import ENTROPY_BOUNDED_ORDERS
-from vllm_diffusion.policies.timestep_schedule import (SCHEDULE_RANKINGS, UNSERVED_ALGS,
-                                                       timestep_quota)
+from vllm_diffusion.policies.timestep_schedule import SCHEDULE_RANKINGS, UNSERVED_ALGS
 
 STRATEGIES = ("low_confidence_dynamic", "low_confidence_static", "sequential", "threshold",
               "entropy_bounded", "timestep_schedule", "factor")
@@ -132,90 +132,3 @@ def step_quota(block_size: int, steps: int, step: int) -> int:
     if step >= steps:
         return block_size
     return block_size // steps + (1 if step < block_size % steps else 0)
-
-
-def top_by_confidence(confidence: torch.Tensor, k: int) -> torch.Tensor:
-    """Indices of the ``k`` largest confidences; ties go to the lower position."""
-    order = torch.sort(confidence, descending=True, stable=True).indices
-    return order[:k]
-
-
-def choose_commits(confidence: torch.Tensor, masked: torch.Tensor, step: int,
-                   block_size: int, config: StrategyConfig,
-                   entropy: torch.Tensor | None = None) -> torch.Tensor:
-    """Which positions of one block to commit this step (the plain reference of
-    ``batched_commits.batched_choose_commits``).
-
-    confidence: [B] float, the probability of each position's proposed token.
-    masked:     [B] bool, positions still holding the mask token.
-    entropy:    [B] float, each position's proposal entropy (``entropy_bounded`` and
-                ``timestep_schedule`` with ``alg`` ``entropy`` only).
-    Returns a [B] bool tensor; only masked positions are ever chosen, at least one if any
-    position is masked (``timestep_schedule``: none at a step its schedule leaves empty).
-    """
-    num_masked = int(masked.sum())
-    commit = torch.zeros_like(masked)
-    if num_masked == 0:
-        return commit
-    steps = config.steps_for(block_size)
-    quota = min(step_quota(block_size, steps, step), num_masked)
-    conf = torch.where(masked, confidence, torch.full_like(confidence, float("-inf")))
-    strategy = config.strategy
-    if strategy == "sequential":
-        commit[torch.nonzero(masked).flatten()[:quota]] = True
-    elif strategy == "low_confidence_static":
-        commit[top_by_confidence(conf, quota)] = True
-    elif strategy == "low_confidence_dynamic":
-        above = masked & (confidence > config.threshold)
-        if int(above.sum()) >= quota:
-            commit = above
-        else:
-            commit[top_by_confidence(conf, quota)] = True
-    elif strategy == "threshold":
-        if step >= steps - 1:
-            return masked.clone()
-        commit = masked & (confidence >= config.threshold)
-        commit[top_by_confidence(conf, 1)] = True
-    elif strategy == "entropy_bounded":
-        if step >= steps - 1:
-            return masked.clone()
-        if config.entropy_bounded_order == "entropy":
-            low_first = torch.where(masked, entropy, torch.full_like(entropy, float("inf")))
-            order = torch.sort(low_first, stable=True).indices[:num_masked].tolist()
-        else:
-            order = top_by_confidence(conf, num_masked).tolist()
-        total = largest = 0.0
-        count = 0
-        for position in order:
-            total += float(entropy[position])
-            largest = max(largest, float(entropy[position]))
-            if count and total - largest > config.entropy_bound:
-                break
-            count += 1
-        commit[order[:count]] = True
-    elif strategy == "factor":
-        if step >= steps - 1:
-            return masked.clone()
-        order = top_by_confidence(conf, num_masked)  # the masked positions, best first
-        commit[order[:factor_count(confidence[order], config.factor)]] = True
-    elif strategy == "timestep_schedule":
-        count = timestep_quota(num_masked, step, steps, config.eps)
-        score = confidence if config.alg == "maskgit_plus" else -entropy
-        score = torch.where(masked, score, torch.full_like(score, float("-inf")))
-        commit[top_by_confidence(score, count)] = True
-    else:  # parse_options restricts strategy to STRATEGIES
-        raise AssertionError(strategy)
-    return commit
-
-
-def factor_count(ranked: torch.Tensor, factor: float) -> int:
-    """How many masked positions Fast-dLLM's dynamic rule (``get_transfer_index_dynamic``,
-    NVlabs/Fast-dLLM f6b35ec) commits, from their confidences in descending order
-    (``ranked``: [m], m >= 1): the ranks before the first rank n (1-based) whose
-    confidence is below 1 - factor / (n + 1) (the first rank always passes), except that
-    a failure at the last rank, or none, commits all m."""
-    m = len(ranked)
-    for index in range(1, m):
-        if float(ranked[index]) < 1.0 - factor / (index + 2):
-            return m if index == m - 1 else index
-    return m

@@ -406,14 +406,3 @@ def plain_params(params):
 
     return SamplingParams(temperature=0.0, logprobs=params.logprobs,
                           logprob_token_ids=getattr(params, "logprob_token_ids", None))
-
-
-def propose_for_requests(logits: torch.Tensor, mask_token_id: int, counts: list[int],
-                         params: list, generators: list,
-                         confidence_rule: str = "sampled_token"
-                         ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The pipeline's proposals for the rows of several requests at once (see
-    ``ProposalPipeline.propose``)."""
-    proposals = ProposalPipeline(mask_token_id, confidence_rule).propose(logits, counts,
-                                                                         params, generators)
-    return proposals.tokens, proposals.confidence

@@ -7,10 +7,10 @@ filtered distribution with the request's generator, confidence = its probability
 Ada-DLM), the filtered distribution's largest probability. The mask token is never
 proposed.
 
-``propose_tokens`` (one request) is the plain reference; the engine proposes for all the
-requests of a step at once through the proposal pipeline (``proposal.py``), whose last
-stages are ``draw_for_requests`` here, tested to give the same tokens and confidences,
-seeded draws included.
+The engine proposes for all the requests of a step at once through the proposal pipeline
+(``proposal.py``), whose last stages are ``draw_for_requests`` here; the plain per-request
+reference is ``tests/reference_sampling.py``, tested to give the same tokens and
+confidences, seeded draws included.
 """
 
 from __future__ import annotations
@@ -33,24 +33,6 @@ def argmax_params(params):
     return greedy
 
 
-def filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
-    """logits: [n, V] float32; returns logits with filtered-out entries at -inf."""
-    if 0 < top_k < logits.shape[-1]:
-        kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
-        cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
-        # Drop a token once the tokens ranked above it already reach top_p.
-        drop_sorted = (cumulative - sorted_logits.softmax(dim=-1)) >= top_p
-        # The most likely token always stays: with a tiny top_p, rounding in the
-        # cumulative sum would otherwise drop every token.
-        drop_sorted[:, 0] = False
-        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
-        logits = logits.masked_fill(drop, float("-inf"))
-    return logits
-
-
 def filter_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     """logits [n, V] (after temperature), min_p [n]: tokens whose probability is below
     min_p times the row's largest probability go to -inf (vLLM's order: after temperature,
@@ -60,31 +42,12 @@ def filter_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     return logits.masked_fill(probs < floor, float("-inf"))
 
 
-def propose_tokens(logits: torch.Tensor, mask_token_id: int, temperature: float,
-                   top_k: int, top_p: float, generator: torch.Generator | None,
-                   max_probability: bool = False, min_p: float = 0.0
-                   ) -> tuple[torch.Tensor, torch.Tensor]:
-    """logits: [n, V]. Returns proposed tokens [n] int64 and their confidences [n] float32
-    (with ``max_probability``: the largest probability of each row's distribution)."""
-    logits = logits.float()
-    logits[:, mask_token_id] = float("-inf")
-    if temperature < _GREEDY_EPS:
-        confidence, tokens = logits.softmax(dim=-1).max(dim=-1)
-        return tokens, confidence
-    scaled = logits / temperature
-    if min_p > 0:
-        scaled = filter_min_p(scaled, torch.full((len(scaled),), float(min_p)))
-    probs = filter_top_k_top_p(scaled, top_k, top_p).softmax(dim=-1)
-    tokens = torch.multinomial(probs, 1, generator=generator)  # [n, 1]
-    if max_probability:
-        return tokens.squeeze(1), probs.max(dim=1).values
-    return tokens.squeeze(1), probs.gather(1, tokens).squeeze(1)
-
-
 def batched_filter_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor,
                                top_p: torch.Tensor, any_nucleus: bool | None = None
                                ) -> torch.Tensor:
-    """``filter_top_k_top_p`` with a top_k and top_p per row ([n] each). ``any_nucleus``:
+    """Top-k then top-p filtering with a top_k and top_p per row ([n] each): entries
+    filtered out go to -inf; a token is dropped once the tokens ranked above it reach
+    top_p, the most likely one always stays. ``any_nucleus``:
     whether some row has top_p < 1, when the caller knows it on the host."""
     vocab = logits.shape[-1]
     sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
