@@ -15,27 +15,20 @@ import torch
 
 from vllm.v1.outputs import ModelRunnerOutput
 
+from vllm_diffusion.metrics import StepCounters
 from vllm_diffusion.step.failures import NoProgress, UnsatisfiableRequest
 
 
 @dataclasses.dataclass
 class DiffusionRunnerOutput(ModelRunnerOutput):
-    # This step's block positions entering the model and reaching its last layer (equal
-    # when the policy drops no row).
-    block_positions: tuple[int, int] = (0, 0)
-    # This step's block positions through each layer (its queries computed there).
-    layer_block_positions: list[int] = dataclasses.field(default_factory=list)
+    # This step's work, as the stat loggers receive it (``metrics.StepCounters``: blocks
+    # denoised, block positions entering the model, reaching its last layer and through
+    # each layer, tokens committed, matcher fills and accepts, the chunk chosen, edits).
+    counters: StepCounters = dataclasses.field(
+        default_factory=lambda: StepCounters(0, 0, 0, 0))
     # req_id -> its committed prefix (exact KV) once this step ran, for every request
     # the step planned; the scheduler rolls num_computed_tokens back to it.
     committed_prefix: dict[str, int] = dataclasses.field(default_factory=dict)
-    # blocks denoised this step (one per request that reached its current block)
-    denoised_blocks: int = 0
-    # structured output this step: grammar bitmask fills, tokens advanced through matchers
-    matcher_calls: tuple[int, int] = (0, 0)
-    # the chunk size the policy chose for this step (0: none chosen)
-    chosen_chunk: int = 0
-    # Token edits this step: (substitutions, deletions, splits) -- LLaDA2.1 / 2.2 editing
-    token_edits: tuple[int, int, int] = (0, 0, 0)
     # req_id -> the denoising step that unmasked each of its output tokens so far (only
     # for requests that asked for a step map and emitted tokens this step).
     step_maps: dict[str, list[int]] = dataclasses.field(default_factory=dict)

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from vllm_diffusion.config import engine_config_from_vllm, wants_step_map
+from vllm_diffusion.metrics import StepCounters
 from vllm_diffusion.step.failures import UnsatisfiableRequest
 from vllm_diffusion.step.hooks import ForwardStep
 from vllm_diffusion.step.request import DiffusionRequest, OutputBounds
@@ -239,17 +240,21 @@ class DiffusionRunnerMixin:
             sampled_token_ids=tokens_by_request,
             logprobs=to_vllm_lists([emitted[r].logprobs if r in emitted else None
                                     for r in req_ids], tokens_by_request),
-            block_positions=(stats.block_positions_computed - before.block_positions_computed,
-                             stats.block_positions_after_eviction
-                             - before.block_positions_after_eviction),
-            layer_block_positions=layer_rows,
+            counters=StepCounters(
+                denoised_blocks=sum(r.request is not None and r.req_id not in failed
+                                    for r in rows),
+                block_positions=stats.block_positions_computed
+                - before.block_positions_computed,
+                positions_after_eviction=stats.block_positions_after_eviction
+                - before.block_positions_after_eviction,
+                committed_tokens=sum(len(t) for t in tokens_by_request),
+                layer_positions=tuple(layer_rows),
+                matcher_fills=stats.grammar_fills - before.grammar_fills,
+                matcher_accepts=stats.grammar_accepts - before.grammar_accepts,
+                chosen_chunk=(self.policy.chosen_chunk() or 0) if rows else 0,
+                token_edits=(stats.tokens_edited - before.tokens_edited - deleted - split,
+                             deleted, split)),
             committed_prefix={r.req_id: r.committed for r in rows if r.req_id not in failed},
-            denoised_blocks=sum(r.request is not None and r.req_id not in failed for r in rows),
-            matcher_calls=(stats.grammar_fills - before.grammar_fills,
-                           stats.grammar_accepts - before.grammar_accepts),
-            chosen_chunk=(self.policy.chosen_chunk() or 0) if rows else 0,
-            token_edits=(stats.tokens_edited - before.tokens_edited - deleted - split,
-                         deleted, split),
             step_maps={r: e.step_map for r, e in emitted.items() if e.step_map is not None},
             failed_requests=failed,
         )

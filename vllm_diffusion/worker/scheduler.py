@@ -36,7 +36,7 @@ from vllm.v1.request import RequestStatus
 from vllm.v1.spec_decode.metrics import SpecDecodingStats
 
 from vllm_diffusion.config import STEP_MAP_KEY, engine_config_from_vllm
-from vllm_diffusion.metrics import StepCounters, encode_counters
+from vllm_diffusion.metrics import encode_counters
 from vllm_diffusion.step.failures import Failure, UncompilableGrammar
 from vllm_diffusion.worker.geometry import CanvasGeometry, step_geometry
 from vllm_diffusion.worker.outputs import DiffusionRunnerOutput, require_diffusion_output
@@ -169,16 +169,7 @@ class BlockDiffusionScheduler(Scheduler):
     def _diffusion_step_stats(self, runner_output: DiffusionRunnerOutput) -> SpecDecodingStats:
         """This step's work, in the counters vLLM reports for diffusion models
         (``metrics.encode_counters``)."""
-        return encode_counters(StepCounters(
-            denoised_blocks=runner_output.denoised_blocks,
-            block_positions=runner_output.block_positions[0],
-            positions_after_eviction=runner_output.block_positions[1],
-            committed_tokens=sum(len(t) for t in runner_output.sampled_token_ids),
-            layer_positions=tuple(runner_output.layer_block_positions),
-            matcher_fills=runner_output.matcher_calls[0],
-            matcher_accepts=runner_output.matcher_calls[1],
-            chosen_chunk=runner_output.chosen_chunk,
-            token_edits=runner_output.token_edits))
+        return encode_counters(runner_output.counters)
 
     def make_stats(self, spec_decoding_stats: SpecDecodingStats | None = None, *args: Any,
                    **kwargs: Any):
