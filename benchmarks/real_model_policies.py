@@ -17,6 +17,8 @@ token or ``--accuracy-tokens``), scored as ``real_model_quality`` scores them; t
 difference to ``standard`` with its 95% interval.
 
     python benchmarks/real_model_policies.py [--policies standard focus] [--rounds 3]
+    python benchmarks/real_model_policies.py --policies standard standard+chunk2 elastic \
+        --options '{"standard+chunk2": {"chunk_size": 2, "chunk_reuse": true}}'
 """
 
 from __future__ import annotations
@@ -69,9 +71,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     harness.add_common_options(parser, out="results/real_model_policies.json",
                                batch_sizes=(1, 4, 16, 64), rounds=3, max_tokens=64)
-    parser.add_argument("--policies", nargs="+", default=["standard", "focus"])
+    parser.add_argument("--policies", nargs="+", default=["standard", "focus"],
+                        help="configurations: a policy's name, or a name --options defines")
     parser.add_argument("--options", default="{}",
-                        help="JSON: policy name -> engine options (additional_config)")
+                        help="JSON: configuration name -> engine options (additional_config; "
+                             "'diffusion_policy' defaults to the name)")
     parser.add_argument("--min-requests", type=int, default=8)
     parser.add_argument("--accuracy-tokens", type=int, default=64)
     parser.add_argument("--accuracy-limit", type=int, default=None,
@@ -98,7 +102,7 @@ def main() -> None:
     for index in range(args.rounds):
         for policy in args.policies:
             start = time.perf_counter()
-            config = {"diffusion_policy": policy, **options.get(policy, {})}
+            config = {"diffusion_policy": policy.split("+")[0], **options.get(policy, {})}
             with diffusion_llm(model, max_model_len=1024, max_num_seqs=max(args.batch_sizes),
                                enforce_eager=args.eager, additional_config=config) as llm:
                 fixed_length_run(llm, prompts, 1, 1, 8)  # warm-up

@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 from reference_early_skip import es_importance, es_keep, es_keep_count
 from reference_fast_dllm_v2 import ReferenceFastDLLMv2, mask_banned
-from reference_focus_shifted import _attend_and_mlp, _project
+from reference_focus_shifted import _attend_and_mlp, _project, generate_by_shifted_blocks
 from reference_sdar import select_positions, transfer_quotas
 
 
@@ -40,9 +40,6 @@ def reference_es_shifted_generate(model: ReferenceFastDLLMv2, prompt: list[int],
     steps_cap = block_size
     quotas = transfer_quotas(block_size, steps_cap)
     entries = block_size - 1  # block rows: row r decodes position r + 1
-
-    def first_token(logits: torch.Tensor) -> int:
-        return int(mask_banned(logits[-1], mask_id).argmax())
 
     def denoise(block: torch.Tensor, past, decoded_last: list[bool]) -> torch.Tensor:
         start = past[0][0].shape[1]
@@ -118,21 +115,15 @@ def reference_es_shifted_generate(model: ReferenceFastDLLMv2, prompt: list[int],
             assert step <= 4 * block_size
         return block
 
-    ids = list(prompt)
-    whole = len(prompt) // block_size * block_size
-    if whole == 0:
+    if len(prompt) < block_size:
         raise ValueError("the reference encodes at least one whole prompt block first")
-    logits, past = model(ids[:whole], None, block_size, update=True)
-    decoded_last = [False] * block_size
-    if whole == len(prompt):
-        ids.append(first_token(logits))
-        decoded_last[0] = True
-    while len(ids) - len(prompt) < max_tokens:
-        start = len(ids) // block_size * block_size
-        block = torch.tensor(ids[start:] + [mask_id] * (block_size - len(ids) % block_size))
-        block = denoise(block, past, decoded_last)
-        ids = ids[:start] + block.tolist()
-        logits, past = model(block.tolist(), past, block_size, update=True)
-        ids.append(first_token(logits))
-        decoded_last = [True] + [False] * (block_size - 1)
-    return ids[len(prompt):len(prompt) + max_tokens]
+    # the previous step's decoded positions: a block's first token read at the commit
+    decoded_last = {"positions": [False] * block_size}
+
+    def first_token_read() -> None:
+        decoded_last["positions"] = [True] + [False] * (block_size - 1)
+
+    return generate_by_shifted_blocks(
+        model, prompt, block_size, mask_id, max_tokens,
+        lambda block, past: denoise(block, past, decoded_last["positions"]),
+        on_first_token=first_token_read)

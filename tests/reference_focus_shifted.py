@@ -80,9 +80,6 @@ def reference_focus_shifted_generate(model: ReferenceFastDLLMv2, prompt: list[in
         stats["steps"] += 1
         stats["tokens"] += decoded
 
-    def first_token(logits: torch.Tensor) -> int:
-        return int(mask_banned(logits[-1], mask_id).argmax())
-
     def denoise(block: torch.Tensor, past) -> torch.Tensor:
         start = 0 if past is None else past[0][0].shape[1]
         store_k = [torch.zeros(model.num_kv_heads, block_size, model.head_dim)
@@ -159,21 +156,36 @@ def reference_focus_shifted_generate(model: ReferenceFastDLLMv2, prompt: list[in
             assert step <= 64 * steps_cap
         return block
 
+    return generate_by_shifted_blocks(model, prompt, block_size, mask_id, max_tokens,
+                                      denoise, on_first_token=lambda: count(1))
+
+
+def generate_by_shifted_blocks(model: ReferenceFastDLLMv2, prompt: list[int], block_size: int,
+                               mask_id: int, max_tokens: int, denoise, on_first_token=None
+                               ) -> list[int]:
+    """Fast-dLLM v2's block loop: the prompt's whole blocks encoded into the cache (where
+    the prompt ends on a block boundary, the last row's argmax is the next block's first
+    token), then per block ``denoise(block, past)`` (the block with its known tokens,
+    masks after them) until it is decoded, its encoding into the cache, and its last row's
+    argmax as the next block's first token. ``on_first_token()`` is called at each first
+    token read so. Returns ``max_tokens`` output tokens."""
+
+    def first_token(logits: torch.Tensor) -> int:
+        if on_first_token is not None:
+            on_first_token()
+        return int(mask_banned(logits[-1], mask_id).argmax())
+
     ids, past = list(prompt), None
     whole = len(prompt) // block_size * block_size
     if whole:
         logits, past = model(ids[:whole], None, block_size, update=True)
         if whole == len(prompt):
             ids.append(first_token(logits))
-            count(1)
     while len(ids) - len(prompt) < max_tokens:
         start = len(ids) // block_size * block_size
-        if len(ids) % block_size == 0:  # only when the prompt is empty; not served
-            raise ValueError("a block with no known first token")
         block = torch.tensor(ids[start:] + [mask_id] * (block_size - len(ids) % block_size))
         block = denoise(block, past)
         ids = ids[:start] + block.tolist()
         logits, past = model(block.tolist(), past, block_size, update=True)
         ids.append(first_token(logits))
-        count(1)
     return ids[len(prompt):len(prompt) + max_tokens]

@@ -162,25 +162,25 @@ def test_a_whole_canvas_family_refuses_a_canvas_larger_than_its_block():
     assert request_refusal(FIXED, SamplingParams(max_tokens=17), block_size=16) is None
 
 
-def test_shifted_logits_take_standard_on_whole_blocks_and_focus_and_es():
+def test_shifted_logits_take_the_policies_that_keep_the_row_before_each_position():
     shifted = ModelCapabilities(family="Shifted", shifted_logits=True)
     assert shifted.needs_whole_blocks
+    # standard (its chunk window too), FOCUS, ES-dLLM and elastic keep the row before
+    # every position they decode, whole block or not
     assert refusal(shifted, POLICIES["standard"], {}) is None
-    # FOCUS keeps the row before every position it decodes, evicting or caching
-    assert refusal(shifted, POLICIES["focus"], {}) is None
+    assert refusal(shifted, POLICIES["standard"], {"chunk_size": 2, "chunk_reuse": True}) is None
+    for name in ("focus", "es", "elastic"):
+        assert refusal(shifted, POLICIES[name], {}) is None, name
     message = refusal(shifted, POLICIES["focus"], {"commit": "delayed"})
     assert message.startswith("the focus policy cannot serve Shifted: it computes whole "
                               "blocks only with its full budget"), message
-    assert refusal(shifted, POLICIES["es"], {}) is None  # it keeps every row before, too
-    for name in ("elastic", "sparse_prefix", "ada"):
+    assert "Shifted's logits are shifted: each position's token is read from the row " \
+           "before it" in message
+    for name in ("sparse_prefix", "ada"):
         message = refusal(shifted, POLICIES[name], {})
         assert message.startswith(f"the {name} policy cannot serve Shifted, whose logits "
                                   f"are shifted"), message
         assert "use the standard policy" in message
-    message = refusal(shifted, POLICIES["standard"], {"chunk_size": 2})
-    assert "'chunk_size' and 'chunk_reuse'" in message
-    assert "Shifted's logits are shifted: each position's token is read from the row " \
-           "before it" in message
 
 
 def test_fast_dllm_v2_declares_its_published_decoding():
@@ -194,8 +194,8 @@ def test_fast_dllm_v2_declares_its_published_decoding():
                                            "sub_block_size": 8}
     assert refusal(model, POLICIES["standard"], dict(model.option_defaults),
                    block_size=32) is None
-    assert refusal(model, POLICIES["elastic"], {}).startswith(
-        "the elastic policy cannot serve Fast-dLLM v2, whose logits are shifted")
+    assert refusal(model, POLICIES["ada"], {}).startswith(
+        "the ada policy cannot serve Fast-dLLM v2, whose logits are shifted")
 
 
 def test_full_attention_cache_modes_of_the_seed_methods():

@@ -7,9 +7,8 @@ blocks (the first token by the autoregressive step) and ending inside the second
 alone and in one batch mixing all of them; a stop token; a chat through ``LLM.chat`` and
 ``vllm serve``; preemption and abort; tensor parallelism 2; sampling as the published
 ``sample_with_top_p`` (a tiny top_p; each block's first token the argmax at any
-temperature); and the refusals (chunked decoding, a sub-block size
-that does not divide the block; other policies are refused at start-up,
-``test_capabilities``). The block cache: ``test_sub_block_cache``.
+temperature); a chunk served and a sub-block size that does not divide the block refused
+(the policies that cannot decode it are refused at start-up, ``test_capabilities``). The block cache: ``test_sub_block_cache``.
 
 One engine serves every test: the checkpoint's ``bd_size`` 16 with the family's default
 sub-blocks of 8 (two per block), a grid of request options around them."""
@@ -108,14 +107,14 @@ def test_a_stop_token_ends_the_output_where_the_published_loop_stops(llm, refere
         assert list(got.token_ids) == want, name
 
 
-def test_partial_block_options_are_refused_with_the_reason(llm):
+def test_a_chunk_is_served_and_a_sub_block_that_does_not_divide_the_block_refused(llm):
+    """Chunks decode as ``tests/test_chunked_shifted.py`` checks against its reference."""
     from vllm import SamplingParams
 
-    params = SamplingParams(temperature=0.0, max_tokens=8,
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True,
                             extra_args={"chunk_size": 4})
-    with pytest.raises(REJECTED, match=r"Fast-dLLM v2's logits are shifted: each position's "
-                                       r"token is read from the row before it"):
-        llm.generate(token_prompts([PROMPTS["short"]]), params, use_tqdm=False)
+    out = llm.generate(token_prompts([PROMPTS["short"]]), params, use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 8
     bad = SamplingParams(temperature=0.0, max_tokens=8, extra_args={"sub_block_size": 5})
     with pytest.raises(REJECTED, match=r"option 'sub_block_size' must divide the block "
                                        r"size \(16\), got 5"):

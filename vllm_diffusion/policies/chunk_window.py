@@ -8,6 +8,13 @@ computed or attended to, and only undecided positions in the window may be commi
 Decoded positions left of the chunk are recomputed (exact) or, with ``chunk_reuse``, keep
 their KV by the intra-block cache's rule. With c = B and no reuse it is whole-block
 decoding. Committed KV is always exact.
+
+Where the model's logits are shifted (position j read from row j - 1) the window is of
+rows: rows 0..E-1 read positions 1..E-1, so every undecided position in it is read (the
+first undecided one's row before it is a decoded position's, always in the window), and
+the intra-block cache decides rows (a row is frozen once its token and the one it
+predicts are decoded); it is updated from the rows the step planned, as the positions it
+read are one row later.
 """
 
 from __future__ import annotations
@@ -51,6 +58,7 @@ class ChunkWindow:
     block_size: int
     chunk: int | None = None  # this step's chunk size (None: whole block)
     cache: IntraBlockCache | None = None
+    planned: torch.Tensor | None = None  # [B] bool: the rows this step's plan computes
 
     def start_block(self) -> None:
         self.cache = None  # made by the block's first step that reuses KV
@@ -76,11 +84,14 @@ class ChunkWindow:
         compute = masked | self.cache.processing_set()
         if not whole:
             compute &= torch.arange(self.block_size) < window_end
+        self.planned = compute
         return BlockStepPlan(compute, window_end)
 
     def after_step(self, masked_before: torch.Tensor, computed: torch.Tensor,
-                   reuse: bool) -> None:
+                   reuse: bool, shifted: bool = False) -> None:
         """masked_before, computed: [B] bool (the step's positions that went through every
-        layer: a window that shrank this step left some decoded positions out)."""
+        layer: a window that shrank this step left some decoded positions out);
+        ``shifted``: the model's logits are shifted (the cache takes the planned rows)."""
         if reuse:
-            self.cache.update(masked_before, computed=computed)
+            rows = self.planned if shifted and self.planned is not None else computed
+            self.cache.update(masked_before, computed=rows)

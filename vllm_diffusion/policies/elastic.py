@@ -67,10 +67,12 @@ from __future__ import annotations
 import collections
 import dataclasses
 import time
+from collections.abc import Mapping
 from typing import Any, ClassVar
 
 import torch
 
+from vllm_diffusion.capabilities import PolicyTraits
 from vllm_diffusion.options import Rule, option
 from vllm_diffusion.policies.chunk_statistics import (
     ChunkStatistics,
@@ -112,6 +114,13 @@ LEARN_EVERY = 8  # steps between updates of the statistics (and of the estimates
 class ElasticPolicy(StrategyPolicy[ElasticConfig, ChunkWindow]):
     name: ClassVar[str] = "elastic"
     config_cls: ClassVar[type] = ElasticConfig
+
+    @classmethod
+    def traits(cls, options: Mapping[str, Any]) -> PolicyTraits:
+        """Computes a chunk of the block; where logits are shifted, its window of rows
+        reads every undecided position in it (``chunk_window.py``)."""
+        return dataclasses.replace(super().traits(options), shifted_logits=True,
+                                   shifted_partial_blocks=True)
 
     def __init__(self, block_size: int, mask_token_id: int,
                  engine_config: ElasticConfig) -> None:
@@ -216,7 +225,8 @@ class ElasticPolicy(StrategyPolicy[ElasticConfig, ChunkWindow]):
     def after_step(self, request: ElasticRequest, masked_before: torch.Tensor,
                    computed: torch.Tensor, num_decoded: int) -> None:
         state = request.policy_state
-        state.after_step(masked_before, computed, request.policy_config.chunk_reuse)
+        state.after_step(masked_before, computed, request.policy_config.chunk_reuse,
+                         self.model.shifted_logits)
         canvas = request.canvas
         self.records.append(StepRecord(masked_before, canvas.tokens.clone(), computed,
                                        canvas.start, request.bounds,

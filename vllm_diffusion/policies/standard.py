@@ -65,7 +65,7 @@ class StandardPolicy(StrategyPolicy[StandardConfig, StandardState]):
         return dataclasses.replace(super().traits(options), partial_blocks=(
             "options 'chunk_size' and 'chunk_reuse' compute part of a block in a forward; "
             "remove them") if chunked else None, attention_regimes=("block_causal", "full"),
-            shifted_logits=True, sub_block_rows=(
+            shifted_logits=True, shifted_partial_blocks=True, sub_block_rows=(
                 "option 'sub_block_cache' computes only the active sub-block in some "
                 "forwards; remove it") if sub_blocks else None)
 
@@ -93,4 +93,5 @@ class StandardPolicy(StrategyPolicy[StandardConfig, StandardState]):
         if config.sub_block_cache:
             state.sub_blocks.after_step(computed)
         else:
-            state.window.after_step(masked_before, computed, config.chunk_reuse)
+            state.window.after_step(masked_before, computed, config.chunk_reuse,
+                                    self.model.shifted_logits)

@@ -9,7 +9,8 @@ logits are read from, always the row before it:
   decided) is computed whole, as every step computes it, and position j is read from
   row j - 1 (positions 1..B-1 from rows 0..B-2; the known first position needs none);
 - a block whose first position is still masked (the known tokens end on the block's
-  start) is first given that token by the previous block's last row: the step computes
+  start) is first given that token by the previous block's last row, whatever part of the
+  block the policy planned: the step computes
   the commit rows of the blocks before it (their exact KV, every row seeing its whole
   block) and none of the new block's, and reads position 0 from the last of them. This is
   a clean block's commit fused with one autoregressive step; the block's denoising steps
@@ -37,16 +38,17 @@ from vllm_diffusion.worker.step_plan import BlockPlanner, KnownTokens, RequestRo
 
 def shift_block_rows(rows: RequestRows, token_ids: KnownTokens, block_size: int,
                      mask_token_id: int) -> RequestRows:
-    """``rows`` (a block step planned whole) with each block position's logits read from
-    the row before it."""
+    """``rows`` (a block step, its block rows the request's last) with each block
+    position's logits read from the row before it."""
     if rows.request is None:  # a prefill chunk: no logits
         return rows
-    if len(rows.block_positions) != block_size:
-        return shift_partial_rows(rows, mask_token_id)
-    num_commit = len(rows.positions) - block_size
+    num_commit = len(rows.positions) - len(rows.block_positions)
     if int(rows.canvas.tokens[0]) != mask_token_id:
+        if len(rows.block_positions) != block_size:
+            return shift_partial_rows(rows, mask_token_id)
         return dataclasses.replace(rows, block_positions=after_first(block_size),
                                    block_row_start=num_commit, logits_shift=1)
+    # the block's first token first, whatever part of the block the policy planned
     start = rows.canvas.start
     if start == 0:
         raise RuntimeError(f"request {rows.req_id}: a block at position 0 with no known "
