@@ -17,8 +17,10 @@ before the block's first step).
 from __future__ import annotations
 
 import torch
-from reference_fast_dllm_v2 import ReferenceFastDLLMv2, mask_banned
-from reference_focus_shifted import _attend_and_mlp, _project, generate_by_shifted_blocks
+from reference_fast_dllm_v2 import ReferenceFastDLLMv2
+from reference_focus import proposals
+from reference_focus_shifted import (_attend_and_mlp, _project, _visible_keys,
+                                     generate_by_shifted_blocks)
 from reference_sdar import select_positions, transfer_quotas
 
 
@@ -52,17 +54,10 @@ def reference_chunked_shifted_generate(model: ReferenceFastDLLMv2, prompt: list[
                 q, k, v = _project(model, x, start + rows, layer)
                 store_k[layer][:, rows] = k.transpose(0, 1)
                 store_v[layer][:, rows] = v.transpose(0, 1)
-                keys = store_k[layer][:, :end].transpose(0, 1)
-                values = store_v[layer][:, :end].transpose(0, 1)
-                if past is not None:
-                    keys = torch.cat([past[layer][0].transpose(0, 1), keys])
-                    values = torch.cat([past[layer][1].transpose(0, 1), values])
+                keys, values = _visible_keys(store_k, store_v, past, layer, end)
                 x = _attend_and_mlp(model, x, q, keys, values, layer)
             read = rows[:-1] + 1  # the positions the rows but the last decode
-            probs = mask_banned(model._logits(x[:-1]), mask_id).softmax(-1)
-            confidence = torch.full((block_size,), float("-inf"))
-            proposal = torch.full((block_size,), mask_id)
-            confidence[read], proposal[read] = probs.max(-1)
+            confidence, proposal = proposals(model._logits(x[:-1]), read, block_size, mask_id)
             eligible = torch.zeros(block_size, dtype=torch.bool)
             eligible[read] = True
             candidates = masked & eligible

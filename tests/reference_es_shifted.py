@@ -23,8 +23,10 @@ from __future__ import annotations
 
 import torch
 from reference_early_skip import es_importance, es_keep, es_keep_count
-from reference_fast_dllm_v2 import ReferenceFastDLLMv2, mask_banned
-from reference_focus_shifted import _attend_and_mlp, _project, generate_by_shifted_blocks
+from reference_fast_dllm_v2 import ReferenceFastDLLMv2
+from reference_focus import proposals
+from reference_focus_shifted import (_attend_and_mlp, _project, _visible_keys,
+                                     generate_by_shifted_blocks)
 from reference_sdar import select_positions, transfer_quotas
 
 
@@ -65,8 +67,7 @@ def reference_es_shifted_generate(model: ReferenceFastDLLMv2, prompt: list[int],
                 q, k, v = _project(model, x, start + rows, layer)
                 store_k[layer][:, rows] = k.transpose(0, 1)
                 store_v[layer][:, rows] = v.transpose(0, 1)
-                keys = torch.cat([past[layer][0], store_k[layer]], dim=1).transpose(0, 1)
-                values = torch.cat([past[layer][1], store_v[layer]], dim=1).transpose(0, 1)
+                keys, values = _visible_keys(store_k, store_v, past, layer, block_size)
                 x = _attend_and_mlp(model, x, q, keys, values, layer)
                 if layer not in skip_layers:
                     continue
@@ -94,11 +95,9 @@ def reference_es_shifted_generate(model: ReferenceFastDLLMv2, prompt: list[int],
                 continuing[is_entry] = torch.tensor(keep)
                 rows, x = rows[continuing], x[continuing]
             is_entry = rows < entries
-            probs = mask_banned(model._logits(x[is_entry]), mask_id).softmax(-1)
             positions = rows[is_entry] + 1
-            confidence = torch.full((block_size,), float("-inf"))
-            proposal = torch.full((block_size,), mask_id)
-            confidence[positions], proposal[positions] = probs.max(-1)
+            confidence, proposal = proposals(model._logits(x[is_entry]), positions,
+                                             block_size, mask_id)
             computed = torch.zeros(block_size, dtype=torch.bool)
             computed[positions] = True
             candidates = torch.tensor(masked) & computed

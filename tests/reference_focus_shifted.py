@@ -33,7 +33,7 @@ import math
 
 import torch
 from reference_fast_dllm_v2 import ReferenceFastDLLMv2, mask_banned
-from reference_focus import NeighbourCache, budget_k, importance, retained_set
+from reference_focus import NeighbourCache, budget_k, importance, proposals, retained_set
 from reference_dream import rms_norm
 from reference_sdar import select_positions, transfer_quotas
 
@@ -63,6 +63,18 @@ def _attend_and_mlp(model, x, q, keys, values, layer):
     x = x + model._linear(out.transpose(0, 1).reshape(x.shape[0], -1),
                           prefix + "self_attn.o_proj")
     return model._feed_forward(x, prefix)
+
+
+def _visible_keys(store_k, store_v, past, layer: int, key_end: int):
+    """[K, Hkv, D] keys and values a block row sees at ``layer``: the committed cache's
+    (``past``: per layer [Hkv, L, D] pairs, or None) and the block store's first
+    ``key_end`` positions (per layer [Hkv, B, D])."""
+    keys = store_k[layer][:, :key_end]
+    values = store_v[layer][:, :key_end]
+    if past is not None:
+        keys = torch.cat([past[layer][0], keys], dim=1)
+        values = torch.cat([past[layer][1], values], dim=1)
+    return keys.transpose(0, 1), values.transpose(0, 1)
 
 
 @torch.no_grad()
@@ -126,20 +138,13 @@ def reference_focus_shifted_generate(model: ReferenceFastDLLMv2, prompt: list[in
                                                  for r in rows.tolist()])
                             rows, x, q = rows[keep], x[keep], q[keep]
                             key_end = int(torch.nonzero(retained).max())  # last row + 1
-                keys = store_k[layer][:, :key_end].transpose(0, 1)
-                values = store_v[layer][:, :key_end].transpose(0, 1)
-                if past is not None:
-                    keys = torch.cat([past[layer][0].transpose(0, 1), keys])
-                    values = torch.cat([past[layer][1].transpose(0, 1), values])
+                keys, values = _visible_keys(store_k, store_v, past, layer, key_end)
                 x = _attend_and_mlp(model, x, q, keys, values, layer)
-            logits = mask_banned(model._logits(x), mask_id)
             # the continuing rows that decode a position of the block (not the last row)
             read = torch.tensor([r + 1 < block_size and bool(decoding[r + 1])
                                  for r in rows.tolist()], dtype=torch.bool)
-            probs = logits[read].softmax(-1)
-            confidence = torch.full((block_size,), float("-inf"))
-            proposal = torch.full((block_size,), mask_id)
-            confidence[rows[read] + 1], proposal[rows[read] + 1] = probs.max(-1)
+            confidence, proposal = proposals(model._logits(x[read]), rows[read] + 1,
+                                             block_size, mask_id)
             eligible = torch.zeros(block_size, dtype=torch.bool)
             eligible[rows[read] + 1] = True
             quota = quotas[step] if step < steps_cap else block_size

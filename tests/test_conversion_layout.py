@@ -63,14 +63,22 @@ def test_forward_equals_transformers_under_causal_mask():
         torch.testing.assert_close(logits, model(ids).logits, rtol=1e-4, atol=1e-4)
 
 
-def test_merge_equals_adapter_forward():
+def trained_looking_model(scale_norms: bool = False):
+    """(state, shape, model): the tiny Llama's conversion model with random LoRA B factors
+    (and, with ``scale_norms``, its norms times 1.1), as after some training."""
     _, state, shape = tiny_llama()
     ours = ConversionModel(state, shape, rank=4)
     with torch.no_grad():
         for p in ours.lora_b.values():
             p.normal_(0, 0.05)
-        for p in ours.norms.values():
-            p.mul_(1.1)
+        if scale_norms:
+            for p in ours.norms.values():
+                p.mul_(1.1)
+    return state, shape, ours
+
+
+def test_merge_equals_adapter_forward():
+    state, shape, ours = trained_looking_model(scale_norms=True)
     merged = ConversionModel(merged_weights(state, ours.adapter_state(), ours.scale), shape,
                              rank=4)
     ids = torch.tensor([[3, MASK_TOKEN_ID % 64, 27, 5]])
@@ -84,11 +92,7 @@ def test_merge_equals_adapter_forward():
 def test_stored_adapter_round_trip_is_within_int8_rounding():
     from vllm_diffusion_lab.real_model.converted import loaded_adapter, stored_adapter
 
-    _, state, shape = tiny_llama()
-    ours = ConversionModel(state, shape, rank=4)
-    with torch.no_grad():
-        for p in ours.lora_b.values():
-            p.normal_(0, 0.05)
+    _, _, ours = trained_looking_model()
     adapter = ours.adapter_state()
     stored = stored_adapter(adapter)
     assert all(v.dtype == torch.int8 for k, v in stored.items() if k.startswith("lora"))

@@ -44,13 +44,15 @@ class RecordingHooks(StepHooks):
         # req_id -> the request's index among the recorded ones
         self.index = {s.request.req_id: i for i, s in enumerate(
             s for s in step.requests if s.request is not None)}
-        recorded = [s for s in step.requests if s.request is not None]
-        self.candidate_rows = [s.masked_rows(mask_token_id) for s in recorded]
-        # each recorded request's candidates' block positions, in the order of their rows
-        # (where logits are shifted, a candidate's row is the one before its position)
-        self.candidate_positions = [
-            s.block_positions[s.request.canvas.masked(mask_token_id)[s.block_positions]]
-            for s in recorded]
+        # each recorded request's candidates: their step rows and the block positions
+        # they decode, in row order (where logits are shifted, a candidate's row is the
+        # one before its position)
+        self.candidate_rows, self.candidate_positions = [], []
+        for s in step.requests:
+            if s.request is not None:
+                masked = s.request.canvas.masked(mask_token_id)[s.block_positions]
+                self.candidate_rows.append(s.block_rows[masked])
+                self.candidate_positions.append(s.block_positions[masked])
         self.device = step.device
         self.importance: dict[int, list[torch.Tensor | None]] = {}
 

@@ -209,10 +209,12 @@ class EsHooks(StepHooks):
         self.alpha_terms = (alpha, 1 - alpha)
         # the positions whose rows the previous step's decoded tokens are in: where logits
         # are shifted, a token's row decodes the position after it
-        refreshed = decoded.clone()
-        shifted = torch.tensor([s.logits_shift == 1 for s in self.requests])
-        refreshed[shifted] = False
-        refreshed[shifted, 1:] = decoded[shifted, :-1]
+        refreshed = decoded
+        shifted = [i for i, s in enumerate(self.requests) if s.logits_shift]
+        if shifted:
+            refreshed = decoded.clone()
+            refreshed[shifted] = False
+            refreshed[shifted, 1:] = decoded[shifted, :-1]
         self.bonus = self._fixed_bonuses(masked, refreshed, uses, alpha)
         self.top_two_bonus = (uses & (alpha > 0.0)) * TOP_CONFIDENCE_BONUS  # [R, 1]
         # Without the bonuses, the most confident masked position of each block continues.

@@ -62,11 +62,6 @@ class StepRequest:
         step under a cache that reads every other position's KV from it)."""
         return self.block_rows is not None and len(self.rows) == len(self.block_rows)
 
-    def masked_rows(self, mask_token_id: int) -> torch.Tensor:
-        """[m] step rows of its computed positions still masked (candidates), ascending."""
-        masked = self.request.canvas.masked(mask_token_id)
-        return self.block_rows[masked[self.block_positions]]
-
 
 @dataclasses.dataclass
 class ForwardStep:

@@ -55,12 +55,6 @@ class FocusStepHooks(StepHooks):
             torch.arange(len(self.blocks)),
             torch.tensor([len(s.block_rows) for _, s in self.blocks], dtype=torch.long))
         self.positions = torch.cat([s.block_positions for _, s in self.blocks])
-        # [P] rows between a block row's position and the position it decodes
-        self.shifts = [s.logits_shift for _, s in self.blocks]
-        # per evicting block, its rows after its block rows (where logits are shifted)
-        self.trailing_rows = [torch.arange(int(s.block_rows[-1]) + 1, s.rows.stop)
-                              if s.logits_shift and len(s.block_rows) else None
-                              for _, s in self.blocks]
         masked = block_tokens([r.canvas for r in requests]) == mask_token_id  # [P, B]
         self.block_size = masked.shape[1]
         # [P, B] bool: the positions computed this step, and the masked ones among them
@@ -123,8 +117,10 @@ class FocusStepHooks(StepHooks):
         kv_lens = {}
         for i, end in zip(torch.nonzero(changed).flatten().tolist(),
                           rightmost[changed].tolist()):
+            index, block = self.blocks[i]
             # one past the rightmost kept row (a row is its decoded position - shift)
-            kv_lens[self.blocks[i][0]] = requests[i].canvas.start + end + 1 - self.shifts[i]
-            if self.trailing_rows[i] is not None:
-                keep[layer_input.current_rows(self.trailing_rows[i])] = False
+            kv_lens[index] = requests[i].canvas.start + end + 1 - block.logits_shift
+            if block.logits_shift:  # the rows after the block rows stop too
+                keep[layer_input.current_rows(
+                    torch.arange(int(block.block_rows[-1]) + 1, block.rows.stop))] = False
         return RowSelection(keep, kv_lens)
