@@ -23,7 +23,7 @@ from vllm_diffusion.worker.geometry import BlockGeometry
 from vllm_diffusion.worker.proposal import ProposalPipeline
 from vllm_diffusion.worker.proposal_grid import scatter_to_host
 from vllm_diffusion.worker.step_plan import (decode_steps, denoised_blocks, emit_final_tokens,
-                                             forward_step, plan_request, step_inputs,
+                                             gather_step, plan_request, step_inputs,
                                              truncate_at_stop)
 
 BLOCK, VOCAB, MASK, PAGE = 4, 1024, 3, 16
@@ -83,7 +83,7 @@ def test_attention_plan(benchmark, batch, policy):
 @pytest.mark.parametrize("batch", BATCHES)
 def test_denoised_blocks(benchmark, batch, policy):
     rows = plan_all(make_requests(batch, policy), policy, BlockGeometry(BLOCK))
-    step = forward_step(rows, torch.device("cpu"))
+    step = gather_step(rows, torch.device("cpu"))
     benchmark(denoised_blocks, rows, step, torch.arange(step.num_rows))
 
 

@@ -2,7 +2,7 @@
 2505.24857, Algorithm 1), written from the paper and the public implementations'
 ordering (SGLang's ``EBSampling``, JetEngine: the masked positions by entropy, lowest
 first), with plain loops, independently of the package. Same signature and result as
-``vllm_diffusion.policies.entropy_bounded.entropy_bounded_commits``.
+``vllm_diffusion.policies.rules.entropy_bounded.entropy_bounded_commits``.
 
 Per block: the masked positions in order (by entropy ascending, or by confidence
 descending where ``by_confidence``; ties to the lower position); the longest prefix whose

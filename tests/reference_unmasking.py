@@ -1,5 +1,5 @@
 """Plain per-block references of the engine's batched commit choice
-(``vllm_diffusion.policies.batched_commits.batched_choose_commits``) and of its quotas:
+(``vllm_diffusion.policies.rules.choose_commits``: one module per rule) and of its quotas:
 which positions of one block each unmasking strategy commits at a step. Written with
 plain loops and torch, importing no package code (a config is read by its attribute
 names: ``strategy``, ``threshold``, ``denoising_steps``, ``entropy_bound``,
@@ -45,7 +45,7 @@ def choose_commits(confidence: torch.Tensor, masked: torch.Tensor, step: int,
                    block_size: int, config,
                    entropy: torch.Tensor | None = None) -> torch.Tensor:
     """Which positions of one block to commit this step (the plain reference of
-    ``batched_commits.batched_choose_commits``).
+    ``rules.choose_commits``).
 
     confidence: [B] float, the probability of each position's proposed token.
     masked:     [B] bool, positions still holding the mask token.

@@ -127,7 +127,7 @@ class _Runner:
 
 def test_the_runner_gives_a_slot_back_when_its_request_finishes_or_fails():
     from vllm_diffusion.worker.runner import DiffusionRunnerMixin
-    from vllm_diffusion.worker.step_failures import StepFailures
+    from vllm_diffusion.worker.failure_isolation import StepFailures
 
     runner = _Runner()
     runner._forget = DiffusionRunnerMixin._forget.__get__(runner)

@@ -12,9 +12,9 @@ from vllm_diffusion.policies import POLICIES
 from vllm_diffusion.policies.standard import StandardConfig, StandardPolicy
 from vllm_diffusion.step.request import DiffusionRequest
 from vllm_diffusion.worker.canvas_plan import (PAST_CANVAS_TOKEN, CanvasPlanner,
-                                               plan_canvas_request, step_planner)
+                                               plan_canvas_request, row_planner)
 from vllm_diffusion.worker.geometry import CanvasGeometry, step_geometry
-from vllm_diffusion.worker.step_plan import KnownTokens, forward_step
+from vllm_diffusion.worker.step_plan import KnownTokens, gather_step
 
 MASK = 99
 FULL = ModelCapabilities(family="LLaDA", attention="full")
@@ -65,7 +65,7 @@ def test_plan_rows_are_the_whole_sequence_logits_for_the_block():
     assert rows.token_ids == prompt + [MASK] * 8
     assert rows.kv_len == 11 and rows.committed == 0
     assert rows.block_row_start == 3 and rows.block_positions.tolist() == [0, 1, 2, 3]
-    step = forward_step([rows, rows], torch.device("cpu"))
+    step = gather_step([rows, rows], torch.device("cpu"))
     assert step.requests[0].block_rows.tolist() == [3, 4, 5, 6]
     assert step.requests[1].block_rows.tolist() == [14, 15, 16, 17]
 
@@ -101,13 +101,13 @@ def test_shifted_logits_come_from_the_rows_one_before_the_block():
     assert shifted.token_ids == plain.token_ids == prompt + [MASK] * 6
     assert (plain.block_row_start, shifted.block_row_start) == (3, 2)
     assert shifted.block_positions.tolist() == list(range(6))
-    step = forward_step([plain, shifted], torch.device("cpu"))
+    step = gather_step([plain, shifted], torch.device("cpu"))
     assert step.requests[0].block_rows.tolist() == [3, 4, 5, 6, 7, 8]
     assert step.requests[1].block_rows.tolist() == [11, 12, 13, 14, 15, 16]
     # the planner takes the shift from the model's declaration
     dream = ModelCapabilities(family="Dream", attention="full", shifted_logits=True)
-    assert step_planner(geometry, MASK, dream).logits_shift == 1
-    assert step_planner(geometry, MASK, FULL).logits_shift == 0
+    assert row_planner(geometry, MASK, dream).logits_shift == 1
+    assert row_planner(geometry, MASK, FULL).logits_shift == 0
 
 
 def test_positions_past_the_model_length_are_decided_and_not_computed():

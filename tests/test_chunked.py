@@ -142,7 +142,7 @@ def test_a_shrinking_window_never_caches_a_position_it_left_out():
     computes them with their tokens (the third), and only then be reused."""
     import torch
 
-    from vllm_diffusion.policies.chunk_window import ChunkWindow
+    from vllm_diffusion.policies.parts.chunk_window import ChunkWindow
     from vllm_diffusion.step.request import BlockCanvas
 
     mask = 99

@@ -11,7 +11,7 @@ from conftest import diffusion_llm
 from vllm import SamplingParams
 from vllm.exceptions import VLLMValidationError
 
-from vllm_diffusion.policies.chunk_statistics import (
+from vllm_diffusion.policies.elastic.chunk_statistics import (
     STAGES,
     ChunkStatistics,
     StepRecord,
@@ -20,7 +20,7 @@ from vllm_diffusion.policies.chunk_statistics import (
     window_outcomes,
 )
 from vllm_diffusion.policies.elastic import ElasticConfig, ElasticPolicy
-from vllm_diffusion.policies.latency_model import LatencyProfile, OnlineLatency, fit_piecewise
+from vllm_diffusion.policies.elastic.latency_model import LatencyProfile, OnlineLatency, fit_piecewise
 from vllm_diffusion.step.request import OutputBounds
 from vllm_diffusion_lab.offline import stats_delta
 

@@ -18,7 +18,7 @@ from vllm.inputs import TokensPrompt
 
 from vllm_diffusion.worker import block_updates as block_updates_module
 from vllm_diffusion.worker import step_plan as step_plan_module
-from vllm_diffusion.worker.forward import StepForward
+from vllm_diffusion.worker.forward import ModelForward
 
 pytestmark = pytest.mark.engine
 
@@ -110,7 +110,7 @@ def test_step_map_with_several_choices_is_rejected(llm):
 
 def test_llm_serves_the_next_call_after_an_exception_in_the_step(llm, reference_tokens,
                                                                  monkeypatch):
-    forward = StepForward.run
+    forward = ModelForward.run
     calls = {"n": 0}
 
     def failing_forward(self, *args, **kwargs):
@@ -119,10 +119,10 @@ def test_llm_serves_the_next_call_after_an_exception_in_the_step(llm, reference_
             raise RuntimeError("injected forward failure")
         return forward(self, *args, **kwargs)
 
-    monkeypatch.setattr(StepForward, "run", failing_forward)
+    monkeypatch.setattr(ModelForward, "run", failing_forward)
     with pytest.raises(RuntimeError, match="injected forward failure"):
         llm.generate([PROMPT] * 3, reference_params(), use_tqdm=False)
-    monkeypatch.setattr(StepForward, "run", forward)
+    monkeypatch.setattr(ModelForward, "run", forward)
     assert_idle_and_correct(llm, reference_tokens)
 
 

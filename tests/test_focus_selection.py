@@ -8,7 +8,7 @@ import torch
 from selection_cases import GRID
 
 from vllm_diffusion.kernels.selection import select_retained, token_budget
-from vllm_diffusion.policies.block_cache import IntraBlockCache
+from vllm_diffusion.policies.parts.block_cache import IntraBlockCache
 
 T, F = True, False
 

@@ -206,14 +206,11 @@ def test_a_request_without_progress_ends_at_the_limit(llm, reference_tokens, mon
     ends after the engine's limit of steps without progress, its KV freed, counted; the
     engine serves the next request. (The limit is lowered on the running engine: a second
     engine in this process would tear down the distributed state the first one uses.)"""
-    import dataclasses
-
     import vllm_diffusion.worker.grammar as grammar_module
 
     limit = 6
     runner = runner_of(llm)
-    monkeypatch.setattr(runner, "diffusion", dataclasses.replace(
-        runner.diffusion, max_steps_without_progress=limit))
+    monkeypatch.setattr(runner.updates, "max_steps_without_progress", limit)
     monkeypatch.setattr(grammar_module, "walk",
                         lambda *args, **kwargs: grammar_module.Walk([], []))
     before = stats(llm)

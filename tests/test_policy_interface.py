@@ -17,18 +17,20 @@ from vllm_diffusion.policies import POLICIES
 from vllm_diffusion.policies.base import BlockUnmasking, DecodingPolicy
 from vllm_diffusion.policies.focus import FocusConfig, FocusPolicy
 from vllm_diffusion.policies.standard import StandardConfig
-from vllm_diffusion.policies.strategy_unmasking import StrategyUnmasking
-from vllm_diffusion.policies.timestep_schedule import SCHEDULE_RANKINGS, timesteps
-from vllm_diffusion.policies.entropy_bounded import (ENTROPY_BOUNDED_ORDERS,
-                                                     entropy_bounded_commits)
-from vllm_diffusion.policies.batched_commits import batched_choose_commits
-from vllm_diffusion.policies.unmasking import STRATEGIES
+from vllm_diffusion.policies import rules
+from vllm_diffusion.policies.rules import RuleBlocks
+from vllm_diffusion.policies.rules import blocks as rule_blocks
+from vllm_diffusion.policies.parts.strategy_unmasking import StrategyUnmasking
+from vllm_diffusion.policies.rules.timestep_schedule import SCHEDULE_RANKINGS, timesteps
+from vllm_diffusion.policies.rules.entropy_bounded import (ENTROPY_BOUNDED_ORDERS,
+                                                           entropy_bounded_commits)
+from vllm_diffusion.policies.parts.strategy_config import STRATEGIES
 from vllm_diffusion.step.plans import CommitBatch
 from vllm_diffusion.step.hooks import LayerInput
 from vllm_diffusion.step.plans import BlockStepPlan
 from vllm_diffusion.step.request import DiffusionRequest
 from vllm_diffusion.worker.geometry import BlockGeometry
-from vllm_diffusion.worker.step_plan import forward_step, plan_request
+from vllm_diffusion.worker.step_plan import gather_step, plan_request
 
 MASK = 99
 
@@ -126,7 +128,7 @@ def test_forward_step_block_rows():
     rows = [plan_request("a", list(range(10)), 0, 12, geometry, MASK, a, policy),
             plan_request("b", list(range(10)), 0, 6, geometry, MASK, b, policy),
             plan_request("c", list(range(5)), 4, 4, geometry, MASK, new_request(policy), policy)]
-    step = forward_step(rows, torch.device("cpu"))
+    step = gather_step(rows, torch.device("cpu"))
     assert step.num_rows == 10 + 4 + 2
     assert step.requests[0].block_rows.tolist() == [8, 9]
     assert step.requests[1].block_rows is None and step.requests[1].rows == range(10, 14)
@@ -155,8 +157,8 @@ COMMIT_GRID = {"b1": (6, 1, 0), "b4": (24, 4, 1), "b16": (24, 16, 2), "b32": (16
 @pytest.mark.parametrize("alone", [None, *STRATEGIES])
 @pytest.mark.parametrize("name", COMMIT_GRID)
 def test_batched_commit_choice_matches_the_per_block_reference(name, alone):
-    """Every strategy mixed in one batch (``alone`` None), and each strategy alone (the
-    engine's common step, which computes only that strategy's rule)."""
+    """Every strategy mixed in one batch (``alone`` None: each rule decides its own
+    blocks), and each strategy alone (the engine's common step, one rule's ``step``)."""
     rows, block, seed = COMMIT_GRID[name]
     confidence, masked, gen = random_blocks(seed, rows, block)
     configs = [StandardConfig(
@@ -171,16 +173,9 @@ def test_batched_commit_choice_matches_the_per_block_reference(name, alone):
         for i in range(rows)]
     steps = torch.randint(0, block + 2, (rows,), generator=gen)
     entropy = torch.rand(rows, block, generator=gen) * 0.8
-    got = batched_choose_commits(
-        confidence, masked, steps,
-        torch.tensor([c.steps_for(block) for c in configs]),
-        torch.tensor([STRATEGIES.index(c.strategy) for c in configs]),
-        torch.tensor([c.threshold for c in configs]), entropy,
-        torch.tensor([c.entropy_bound for c in configs]),
-        torch.tensor([c.eps for c in configs], dtype=torch.float64),
-        torch.tensor([SCHEDULE_RANKINGS.index(c.alg) for c in configs]),
-        torch.tensor([c.entropy_bounded_order == "confidence" for c in configs]),
-        torch.tensor([c.factor for c in configs], dtype=torch.float64))
+    got = rules.choose_commits(RuleBlocks(confidence, masked, steps.tolist(),
+                                          [c.steps_for(block) for c in configs], configs,
+                                          entropy))
     for i, config in enumerate(configs):
         want = choose_commits(confidence[i], masked[i], int(steps[i]), block, config,
                               entropy[i])
@@ -192,31 +187,34 @@ HOST_ORDER = ("low_confidence_dynamic", "low_confidence_static", "sequential", "
 
 @pytest.mark.parametrize("alone", [None, *HOST_ORDER])
 @pytest.mark.parametrize("name", COMMIT_GRID)
-def test_host_commit_choice_matches_the_tensor_path(name, alone):
-    """The small steps' Python commit choice against ``batched_choose_commits`` on the same
-    grid (ties, -inf where not computed, last steps), with thresholds at the grid's
-    levels, between them, and at values float32 rounds (0.7, 0.6)."""
-    from vllm_diffusion.policies.host_commits import as_float32, host_choose_commits
-
+def test_host_commit_choice_matches_the_tensor_path(name, alone, monkeypatch):
+    """The small steps' Python commit choice of the rules that have one against their
+    tensor path on the same grid (ties, -inf where not computed, last steps), with
+    thresholds at the grid's levels, between them, and at values float32 rounds (0.7,
+    0.6); the host path forced at every size."""
     rows, block, seed = COMMIT_GRID[name]
     confidence, masked, gen = random_blocks(seed, rows, block)
     confidence[2:4, :] = torch.tensor(0.7)  # exactly the float32 rounding of 0.7
-    strategies = [alone or HOST_ORDER[i % len(HOST_ORDER)] for i in range(rows)]
-    thresholds = [[0.0, 0.6, 0.7, 0.9, 1.0, 0.55][i % 6] for i in range(rows)]
-    steps_allowed = [block if i % 3 else max(1, block // 2) for i in range(rows)]
-    steps = torch.randint(0, block + 2, (rows,), generator=gen)
-    want = batched_choose_commits(
-        confidence, masked, steps, torch.tensor(steps_allowed),
-        torch.tensor([STRATEGIES.index(s) for s in strategies]), torch.tensor(thresholds))
-    got = host_choose_commits(confidence.tolist(), masked.tolist(), steps.tolist(),
-                              steps_allowed, strategies, [as_float32(t) for t in thresholds])
-    assert got == want.tolist()
+    configs = [StandardConfig(strategy=alone or HOST_ORDER[i % len(HOST_ORDER)],
+                              threshold=[0.0, 0.6, 0.7, 0.9, 1.0, 0.55][i % 6],
+                              denoising_steps=None if i % 3 else max(1, block // 2))
+               for i in range(rows)]
+    steps = torch.randint(0, block + 2, (rows,), generator=gen).tolist()
+    blocks = RuleBlocks(confidence, masked, steps, [c.steps_for(block) for c in configs],
+                        configs)
+    want = torch.zeros_like(masked)
+    for name_, rule in rules.RULES.items():
+        index = [i for i, c in enumerate(configs) if c.strategy == name_]
+        if index:
+            want[index] = rule.by_tensors(blocks.rows(index))
+    monkeypatch.setattr(rule_blocks, "MAX_HOST_POSITIONS", 10 ** 9)
+    assert rules.choose_commits(blocks).tolist() == want.tolist()
 
 
 def test_strategy_unmasking_decides_small_steps_on_the_host_and_large_ones_by_tensors():
     """Both sides of ``MAX_HOST_POSITIONS`` give the per-block reference's commits."""
     from vllm_diffusion.capabilities import ModelCapabilities
-    from vllm_diffusion.policies.host_commits import MAX_HOST_POSITIONS
+    from vllm_diffusion.policies.rules.blocks import MAX_HOST_POSITIONS
 
     for rows, block in ((3, 4), (MAX_HOST_POSITIONS // 4 + 1, 4)):
         confidence, masked, _ = random_blocks(7, rows, block)
@@ -250,7 +248,7 @@ def published_factor_count(sorted_confidence: list[float], factor: float) -> int
 
 
 def test_factor_count_is_the_published_dynamic_rule():
-    from vllm_diffusion.policies.batched_commits import batched_factor_count
+    from vllm_diffusion.policies.rules.factor import batched_factor_count
 
     gen = torch.Generator().manual_seed(5)
     for m in range(1, 12):
@@ -330,7 +328,7 @@ def test_sub_blocks_commit_only_in_the_leftmost_one_holding_a_mask():
 @pytest.mark.parametrize("order", ENTROPY_BOUNDED_ORDERS)
 def test_entropy_bounded_commits_match_the_eb_reference(name, gamma, order):
     """The EB-sampler's choice (``entropy_bounded_commits``, the engine's path through
-    ``batched_choose_commits``, and the per-block ``choose_commits``) against the plain
+    ``rules.choose_commits``, and the per-block ``choose_commits``) against the plain
     reference of ``reference_eb_sampler``, on the commit grid."""
     rows, block, seed = COMMIT_GRID[name]
     confidence, masked, gen = random_blocks(seed, rows, block)
@@ -344,10 +342,8 @@ def test_entropy_bounded_commits_match_the_eb_reference(name, gamma, order):
     assert got.tolist() == want.tolist()
     config = StandardConfig(strategy="entropy_bounded", entropy_bound=gamma,
                             entropy_bounded_order=order)
-    engine = batched_choose_commits(
-        confidence, masked, torch.zeros(rows, dtype=torch.long),
-        torch.full((rows,), block), torch.full((rows,), STRATEGIES.index("entropy_bounded")),
-        torch.full((rows,), 0.9), entropy, bounds, entropy_bounded_by_confidence=by_confidence)
+    engine = rules.choose_commits(RuleBlocks(confidence, masked, [0] * rows, [block] * rows,
+                                             [config] * rows, entropy))
     for i in range(rows):
         if block > 1:  # a one-position block's first step is its last: everything commits
             assert engine[i].tolist() == want[i].tolist(), (i, gamma)

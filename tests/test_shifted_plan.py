@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from vllm_diffusion.worker.step_plan import KnownTokens, RequestRows, forward_step
+from vllm_diffusion.worker.step_plan import KnownTokens, RequestRows, gather_step
 from vllm_diffusion.worker.shifted_plan import shift_block_rows
 
 B, MASK = 4, 99
@@ -31,7 +31,7 @@ def rows_for(block_tokens: list[int], start: int, commit: list[int],
 
 def read_rows(rows: RequestRows) -> list[int]:
     """The positions of the rows each computed block position's logits come from."""
-    step = forward_step([rows], torch.device("cpu"))
+    step = gather_step([rows], torch.device("cpu"))
     return [rows.positions[i] for i in step.requests[0].block_rows.tolist()]
 
 

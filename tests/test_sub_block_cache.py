@@ -15,7 +15,7 @@ from test_fast_dllm_v2 import (BLOCK_SIZE, PROMPTS, checkpoint, reference,  # no
 from test_faults import REJECTED
 
 from vllm_diffusion.policies.standard import StandardConfig
-from vllm_diffusion.policies.sub_block_cache import SubBlockCache
+from vllm_diffusion.policies.parts.sub_block_cache import SubBlockCache
 from vllm_diffusion.step.request import BlockCanvas
 
 MASK = 99

@@ -35,7 +35,7 @@ def main() -> None:
     from vllm import SamplingParams
 
     from vllm_diffusion.default_model import embedded_model_path
-    from vllm_diffusion.policies.latency_model import fit_piecewise, model_identity
+    from vllm_diffusion.policies.elastic.latency_model import fit_piecewise, model_identity
     from vllm_diffusion_lab.offline import diffusion_llm
     from vllm_diffusion_lab.quality.corpus import mixed_eval_examples
     from vllm_diffusion_lab.quality.harness import chat_prompts

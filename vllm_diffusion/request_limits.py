@@ -21,7 +21,7 @@ options (``config.parse_engine_options``):
   compiles.
 
 The policies' step limits (``max_post_steps_limit``, ``max_steps_per_block_limit``) are
-engine-wide options of the policy's config (``policies/unmasking.py``), checked with the
+engine-wide options of the policy's config (``policies/parts/strategy_config.py``), checked with the
 request's policy options.
 """
 

@@ -102,8 +102,8 @@ class BlockDiffusionMetadata:
         return len(self.query_positions)
 
 
-def step_planner(attention_layer: torch.nn.Module
-                 ) -> Callable[[BlockDiffusionMetadata], Any]:
+def attention_planner(attention_layer: torch.nn.Module
+                      ) -> Callable[[BlockDiffusionMetadata], Any]:
     """The step-fixed attention plan for a view's rows, made with ``attention_layer``
     (one of the model's block-diffusion ``Attention`` layers: every layer has the same
     heads and cache shape, so one layer's plan serves all)."""

@@ -45,7 +45,7 @@ of the block. ``immediate`` never computes it again, so its KV stays what it was
 from the mask token and the block never sees its own decoded tokens: a literal reading of
 "frozen" that loses 0.29-0.31 of the accuracy on the default model (RESULTS.md), kept to
 reproduce that. ``after_neighbour`` is FOCUS's neighbour-aware intra-block cache
-(``block_cache.py``; not the paper's): recomputed until it and its right neighbour are
+(``parts/block_cache.py``; not the paper's): recomputed until it and its right neighbour are
 both decoded. Committed KV is exact:
 a completed block is re-encoded when it is committed. With ``intra_block_cache=False``
 every step recomputes the whole block (to separate the decision's effect from the
@@ -74,7 +74,7 @@ import torch
 from vllm_diffusion.capabilities import PolicyTraits
 from vllm_diffusion.options import Rule, option, option_value
 from vllm_diffusion.policies.base import BlockUnmasking, DecodingPolicy, PolicyConfig
-from vllm_diffusion.policies.block_cache import RULES, IntraBlockCache
+from vllm_diffusion.policies.parts.block_cache import RULES, IntraBlockCache
 from vllm_diffusion.step.plans import WHOLE_BLOCK, BlockStepPlan, CommitBatch
 from vllm_diffusion.step.request import DiffusionRequest
 from vllm_diffusion.step.slots import SlotTable, slot_index

@@ -47,8 +47,8 @@ import torch
 from vllm_diffusion.capabilities import PolicyTraits
 from vllm_diffusion.kernels.sparse_prefix import KeptKV
 from vllm_diffusion.options import OptionError, Rule, option, option_value
-from vllm_diffusion.policies.strategy_unmasking import StrategyPolicy
-from vllm_diffusion.policies.unmasking import StrategyConfig
+from vllm_diffusion.policies.parts.strategy_unmasking import StrategyPolicy
+from vllm_diffusion.policies.parts.strategy_config import StrategyConfig
 from vllm_diffusion.step.hooks import ForwardStep, LayerHooks, StepHooks
 from vllm_diffusion.step.keys import KeyScoring, KeySelection, RowSplit, SelectedPrefix
 from vllm_diffusion.step.request import DiffusionRequest

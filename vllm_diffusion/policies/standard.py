@@ -1,7 +1,7 @@
 """Standard block-diffusion decoding: every step computes the whole block, the chunk
-window of chunked decoding (``chunk_window.py``), or with Fast-dLLM v2's block cache the
-active sub-block (``sub_block_cache.py``), and unmasks by one of the strategies of
-``unmasking.py``."""
+window of chunked decoding (``parts/chunk_window.py``), or with Fast-dLLM v2's block
+cache the active sub-block (``parts/sub_block_cache.py``), and unmasks by one of the
+rules of ``rules/``."""
 
 from __future__ import annotations
 
@@ -13,9 +13,9 @@ import torch
 
 from vllm_diffusion.capabilities import PolicyTraits
 from vllm_diffusion.options import OptionError, Rule, option, option_value
-from vllm_diffusion.policies.chunk_window import ChunkConfig, ChunkWindow
-from vllm_diffusion.policies.strategy_unmasking import StrategyPolicy
-from vllm_diffusion.policies.sub_block_cache import SubBlockCache
+from vllm_diffusion.policies.parts.chunk_window import ChunkConfig, ChunkWindow
+from vllm_diffusion.policies.parts.strategy_unmasking import StrategyPolicy
+from vllm_diffusion.policies.parts.sub_block_cache import SubBlockCache
 from vllm_diffusion.step.plans import BlockStepPlan
 from vllm_diffusion.step.request import DiffusionRequest
 
@@ -27,7 +27,7 @@ class StandardConfig(ChunkConfig):
 
     # Fast-dLLM v2's ``use_block_cache``: between refreshes of the whole block, a step
     # computes only the active sub-block's rows against the block's cached KV
-    # (``sub_block_cache.py``).
+    # (``parts/sub_block_cache.py``).
     sub_block_cache: bool = option(False, Rule(bool))
 
     def validate_for_block(self, block_size: int, source: str) -> None:

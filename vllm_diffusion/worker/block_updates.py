@@ -28,7 +28,7 @@ from vllm_diffusion.worker.outputs import DiffusionStats, EmittedTokens, StepDec
 from vllm_diffusion.worker.proposal_grid import ProposalGrid
 from vllm_diffusion.worker.row_context import RowContext
 from vllm_diffusion.worker.sampling import ROW_VALID
-from vllm_diffusion.worker.step_failures import StepFailures
+from vllm_diffusion.worker.failure_isolation import StepFailures
 from vllm_diffusion.worker.step_plan import (DenoisedBlock, decode_steps, emit_final_tokens,
                                              truncate_at_stop)
 
@@ -55,41 +55,21 @@ class ProposedBlocks:
 
 
 class BlockUpdates:
-    """The block updates of one runner: its policy, configuration, counters and matchers
-    are read from the runner at each use (a wrapper the runner installs, or a changed
-    configuration, applies from the next step on)."""
+    """The block updates of one runner, with what they need of it: the mask token, the
+    limit of steps without progress, its counters and grammar matchers. The policy is
+    given at each call (the warm-up decodes with a policy instance of its own)."""
 
-    def __init__(self, runner: Any) -> None:
-        self.runner = runner  # the diffusion runner (``worker/runner.py``)
+    def __init__(self, mask_token_id: int, max_steps_without_progress: int,
+                 stats: DiffusionStats, grammars: GrammarCompiler) -> None:
+        self.mask_token_id = mask_token_id
+        self.max_steps_without_progress = max_steps_without_progress
+        self.stats = stats
+        self.grammars = grammars
 
-    @property
-    def policy(self) -> DecodingPolicy:
-        return self.runner.policy
-
-    @property
-    def unmasking(self) -> BlockUnmasking:
-        """The policy's decision (``DecodingPolicy.unmasking``)."""
-        return self.runner.policy.unmasking
-
-    @property
-    def mask_token_id(self) -> int:
-        return self.runner.diffusion.mask_token_id
-
-    @property
-    def max_steps_without_progress(self) -> int:
-        return self.runner.diffusion.max_steps_without_progress
-
-    @property
-    def stats(self) -> DiffusionStats:
-        return self.runner.diffusion_stats
-
-    @property
-    def grammars(self) -> GrammarCompiler:
-        return self.runner.grammars
-
-    def decide(self, step: ProposedBlocks, failures: StepFailures) -> StepDecisions:
-        """The commits and edits of every block, by the policy (one call each for the
-        whole batch), within the requests' grammars and bad words."""
+    def decide(self, step: ProposedBlocks, unmasking: BlockUnmasking,
+               failures: StepFailures) -> StepDecisions:
+        """The commits and edits of every block, by the policy's decision (one call each
+        for the whole batch), within the requests' grammars and bad words."""
         grid, grammar, masked, context = step.grid, step.grammar, step.masked, step.context
         requests, blocks = step.requests, step.blocks
         proposals, confidence = grid.tokens, grid.confidence
@@ -103,9 +83,9 @@ class BlockUpdates:
         commit_inputs = (confidence, available)
         if step.with_entropy:
             commit_inputs = (*commit_inputs, grid.entropy)
-        commits = _ask_policy(self.unmasking.choose_commits, CommitBatch, requests,
+        commits = _ask_policy(unmasking.choose_commits, CommitBatch, requests,
                               commit_inputs, failures, "choosing its commits")
-        scheduled_idle = self.unmasking.scheduled_idle(CommitBatch(requests, *commit_inputs))
+        scheduled_idle = unmasking.scheduled_idle(CommitBatch(requests, *commit_inputs))
         forced = [b.rows.commit_candidates for b in blocks]  # ``RequestRows``
         if any(forced):
             commits = commits | (available & torch.tensor(forced)[:, None])
@@ -115,7 +95,7 @@ class BlockUpdates:
         tokens_before = step.tokens
         tokens_after = torch.where(commits, proposals, tokens_before)
         filled = usable & step.filled
-        edits = _ask_policy(self.unmasking.choose_edits, EditBatch, requests,
+        edits = _ask_policy(unmasking.choose_edits, EditBatch, requests,
                             (confidence, proposals, tokens_before, filled), failures,
                             "choosing its edits")
         if edits is not None:
@@ -139,7 +119,7 @@ class BlockUpdates:
                              [sum(row) for row in edits.tolist()],
                              [not any(row) for row in masked.tolist()], scheduled_idle)
 
-    def apply(self, step: ProposedBlocks, decisions: StepDecisions,
+    def apply(self, step: ProposedBlocks, decisions: StepDecisions, policy: DecodingPolicy,
               failures: StepFailures) -> dict[str, EmittedTokens]:
         """Each block takes its commits and edits; returns what each request emits."""
         emitted: dict[str, EmittedTokens] = {}
@@ -150,12 +130,12 @@ class BlockUpdates:
                 continue
             with failures.isolated(req_id, "unmasking its block"):
                 emitted[req_id] = self._unmask(
-                    block, state, decisions, i,
+                    policy, block, state, decisions, i,
                     None if logprobs is None or not wants_logprobs(params)
                     else own_columns(logprobs[i], asked_count(params)))
         return emitted
 
-    def rewrite(self, step: ProposedBlocks, failures: StepFailures
+    def rewrite(self, step: ProposedBlocks, policy: DecodingPolicy, failures: StepFailures
                 ) -> dict[str, EmittedTokens]:
         """A step of blocks whose tokens may move (``unmasking.rewrite_block``), each block
         alone; its proposals and confidence [R, B], ranked [R, B, r], computed whole."""
@@ -168,8 +148,8 @@ class BlockUpdates:
             with failures.isolated(req_id, "rewriting its block"):
                 request, canvas = block.rows.request, block.rows.canvas
                 masked, old = step.masked[i], step.tokens[i]
-                rewritten = self.unmasking.rewrite_block(request, old, grid.tokens[i],
-                                                         grid.confidence[i], grid.ranked[i])
+                rewritten = policy.unmasking.rewrite_block(request, old, grid.tokens[i],
+                                                           grid.confidence[i], grid.ranked[i])
                 canvas.commit(rewritten.changed, rewritten.tokens_written,
                               began_unmasked=not bool(masked.any()))
                 canvas.rearrange(rewritten.source, rewritten.tokens)
@@ -178,13 +158,14 @@ class BlockUpdates:
                 stats.tokens_split += rewritten.splits
                 moved = rewritten.deletions + rewritten.splits
                 emitted[req_id] = self._finish_step(
-                    block, state, rewritten.ended, masked, grid.computed[i],
+                    policy, block, state, rewritten.ended, masked, grid.computed[i],
                     int((rewritten.changed & masked).sum()),
                     int((rewritten.changed & ~masked).sum()) + moved,
                     canvas.tokens.tolist(), scheduled_idle=False)
         return emitted
 
-    def _unmask(self, block: DenoisedBlock, state: Any, decisions: StepDecisions, i: int,
+    def _unmask(self, policy: DecodingPolicy, block: DenoisedBlock, state: Any,
+                decisions: StepDecisions, i: int,
                 logprobs: torch.Tensor | None) -> EmittedTokens:
         """Block ``i`` takes its commits and edits. ``logprobs``: [B, C] the logprob
         columns of its positions this step (None: not asked for)."""
@@ -193,17 +174,18 @@ class BlockUpdates:
         canvas.commit(changed, decisions.tokens_after[i],
                       began_unmasked=decisions.began_unmasked[i], logprobs=logprobs)
         block_done = (decisions.no_mask_left[i]
-                      and self.unmasking.block_ends(request, decisions.num_edited[i] > 0,
-                                                    decisions.began_unmasked[i]))
+                      and policy.unmasking.block_ends(request, decisions.num_edited[i] > 0,
+                                                      decisions.began_unmasked[i]))
         canvas.final_kv = (block_done and not (decisions.num_decoded[i]
                                                or decisions.num_edited[i])
                            and bool(decisions.computed[i].all()))
-        return self._finish_step(block, state, block_done, decisions.masked[i],
+        return self._finish_step(policy, block, state, block_done, decisions.masked[i],
                                  decisions.computed[i], decisions.num_decoded[i],
                                  decisions.num_edited[i], decisions.token_lists[i],
                                  decisions.scheduled_idle[i])
 
-    def _finish_step(self, block: DenoisedBlock, state: Any, block_done: bool,
+    def _finish_step(self, policy: DecodingPolicy, block: DenoisedBlock, state: Any,
+                     block_done: bool,
                      masked: torch.Tensor, computed: torch.Tensor, num_decoded: int,
                      num_edited: int, tokens: list[int],
                      scheduled_idle: bool) -> EmittedTokens:
@@ -212,11 +194,11 @@ class BlockUpdates:
         or, while its tokens may still change, nothing until the block ends), count
         (``scheduled_idle``: the block's schedule left the step empty by design)."""
         request, canvas = block.rows.request, block.rows.canvas
-        self.policy.after_step(request, masked, computed, num_decoded)
+        policy.after_step(request, masked, computed, num_decoded)
         if block_done:
-            self.policy.on_block_complete(request)
+            policy.on_block_complete(request)
         num_known = len(state.prompt_token_ids) + len(state.output_token_ids)
-        if not block_done and self.unmasking.edits_tokens(request):
+        if not block_done and policy.unmasking.edits_tokens(request):
             decoded = []
         else:
             decoded = emit_final_tokens(tokens, canvas.start, num_known, self.mask_token_id)

@@ -105,8 +105,8 @@ class CanvasPlanner:
                                    max_tokens=max_tokens, logits_shift=self.logits_shift)
 
 
-def step_planner(geometry: BlockGeometry | CanvasGeometry, mask_token_id: int,
-                 model: ModelCapabilities) -> BlockPlanner | CanvasPlanner:
+def row_planner(geometry: BlockGeometry | CanvasGeometry, mask_token_id: int,
+                model: ModelCapabilities) -> BlockPlanner | CanvasPlanner:
     """The planner of the served model's geometry (``model``: its capabilities; where its
     logits are shifted, a block's logits are read one row earlier)."""
     if isinstance(geometry, CanvasGeometry):

@@ -1,6 +1,6 @@
 """The forward of one diffusion step: the planned rows through the model, once.
 
-``StepForward`` turns the step's rows into the model's inputs and each layer's read-only
+``ModelForward`` turns the step's rows into the model's inputs and each layer's read-only
 view of them (``models.step_run.LayerViews``, vLLM's forward-context metadata), runs the
 model (as vLLM built it when the policy has no hooks between layers this step, every
 layer reading the same view; as pieces between the hooks' layers otherwise, the step's
@@ -20,7 +20,7 @@ import torch
 from vllm.forward_context import set_forward_context
 from vllm.model_executor.models.utils import extract_layer_index
 
-from vllm_diffusion.attention.backend import step_planner
+from vllm_diffusion.attention.backend import attention_planner
 from vllm_diffusion.models.step_run import (LayerViews, StepRun, hand_selected,
                                             publish_preselected_keys)
 from vllm_diffusion.step.hooks import ForwardStep, StepHooks
@@ -29,47 +29,46 @@ from vllm_diffusion.worker.outputs import DiffusionStats
 from vllm_diffusion.worker.step_plan import RequestRows, step_inputs
 
 
-class StepForward:
-    """Runs a step's forward for one runner (its model, configuration and counters)."""
+class ModelForward:
+    """Runs the steps' forwards of one runner, with what they need of it: vLLM's
+    configuration, the KV cache's layers and page size, the device, the engine's
+    diffusion configuration and its counters (the model is given at each step). Built at
+    the runner's first step (the KV cache is configured after the runner is)."""
 
-    def __init__(self, runner: Any, stats: DiffusionStats) -> None:
-        self.runner = runner  # vLLM's model runner: model, device, KV cache config
+    def __init__(self, vllm_config: Any, kv_cache_config: Any, device: torch.device,
+                 diffusion: Any, stats: DiffusionStats) -> None:
+        self.vllm_config = vllm_config
+        self.device = device
         self.stats = stats
-        self.num_layers = runner.vllm_config.model_config.hf_config.num_hidden_layers
-        # The attention layers' names by layer index, and the attention's step planner
-        # (found at the first step: the KV cache is configured after the runner is built)
-        self._layer_names: list[str] | None = None
-        self._planner = None
+        self.page_size = vllm_config.cache_config.block_size
+        self.compiled = not vllm_config.model_config.enforce_eager
+        self.row_buckets = diffusion.row_buckets
+        self.num_layers = vllm_config.model_config.hf_config.num_hidden_layers
         # the spans whose rows attend to each other (the block, or the whole sequence)
-        self.attention_span = runner.diffusion.model.attention_span(
-            runner.diffusion.block_size, runner.vllm_config.model_config.max_model_len)
+        self.attention_span = diffusion.model.attention_span(
+            diffusion.block_size, vllm_config.model_config.max_model_len)
+        # the attention layers' names by layer index, and the attention's step planner
+        names = sorted((name for group in kv_cache_config.kv_cache_groups
+                        for name in group.layer_names), key=extract_layer_index)
+        if [extract_layer_index(name) for name in names] != list(range(len(names))):
+            raise RuntimeError(f"expected one attention layer per model layer, got {names}")
+        self.layer_names = names
+        self.planner = attention_planner(
+            vllm_config.compilation_config.static_forward_context[names[0]])
 
-    def _attention_layers(self) -> list[str]:
-        if self._layer_names is None:
-            runner = self.runner
-            names = sorted((name for group in runner.kv_cache_config.kv_cache_groups
-                            for name in group.layer_names), key=extract_layer_index)
-            if [extract_layer_index(name) for name in names] != list(range(len(names))):
-                raise RuntimeError(f"expected one attention layer per model layer, got "
-                                   f"{names}")
-            layers = runner.vllm_config.compilation_config.static_forward_context
-            self._planner = step_planner(layers[names[0]])
-            self._layer_names = names
-        return self._layer_names
-
-    def run(self, rows: list[RequestRows], step: ForwardStep, hooks: StepHooks | None,
-            page_ids: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+    def run(self, model: Any, rows: list[RequestRows], step: ForwardStep,
+            hooks: StepHooks | None, page_ids: list[list[int]]
+            ) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
         """Hidden states of the rows that reached the last layer, those rows (step row
         indices), and the block rows each layer computed. ``page_ids``: each request's KV
         page ids."""
-        runner = self.runner
-        device, diffusion = runner.device, runner.diffusion
-        inputs = step_inputs(rows, page_ids, runner.cache_config.block_size)
+        device = self.device
+        inputs = step_inputs(rows, page_ids, self.page_size)
         positions = inputs.positions.to(device)
         step_rows = StepRows(query_positions=positions, slot_mapping=inputs.slots.to(device),
                              query_start_loc=inputs.query_start_loc, kv_lens=inputs.kv_lens)
-        views = LayerViews(self._attention_layers(), inputs.block_table.to(device),
-                           self.attention_span, self._planner)
+        views = LayerViews(self.layer_names, inputs.block_table.to(device),
+                           self.attention_span, self.planner)
         # Steps without hooks between layers run the model as vLLM built it (compiled
         # unless eager), every layer reading one view (a preselected key selection in its
         # layer's); steps with hooks between layers run the layers between hook points as
@@ -85,17 +84,16 @@ class StepForward:
             for s in step.requests:
                 if s.block_rows is not None:
                     block_rows[s.block_rows] = True
-            run = StepRun(hooks, block_rows, step_rows, views,
-                          compiled=not runner.model_config.enforce_eager,
-                          row_buckets=diffusion.row_buckets)
+            run = StepRun(hooks, block_rows, step_rows, views, compiled=self.compiled,
+                          row_buckets=self.row_buckets)
         token_ids = inputs.token_ids.to(device)
-        with set_forward_context(views.by_name, runner.vllm_config, num_tokens=len(positions),
+        with set_forward_context(views.by_name, self.vllm_config, num_tokens=len(positions),
                                  slot_mapping={}, skip_compiled=run is not None):
             if run is None:
-                hidden_states = runner.model(input_ids=token_ids, positions=positions)
+                hidden_states = model(input_ids=token_ids, positions=positions)
             else:
-                hidden_states = runner.model(input_ids=token_ids, positions=positions,
-                                             stack_run=run)
+                hidden_states = model(input_ids=token_ids, positions=positions,
+                                      stack_run=run)
         if selected:
             hand_selected(hooks, selected)
         stats = self.stats

@@ -17,7 +17,7 @@ input preparation and sampling with the block-diffusion step:
 - emit: each block's newly final tokens, as this step's output.
 
 A request whose host-side work fails is finished alone with an error
-(``step_failures.py``). The runner never names a policy or a model family.
+(``failure_isolation.py``). The runner never names a policy or a model family.
 """
 
 from __future__ import annotations
@@ -35,8 +35,8 @@ from vllm_diffusion.step.request import DiffusionRequest, OutputBounds
 from vllm_diffusion.step.slots import BlockSlots, slot_index
 from vllm_diffusion.worker.block_updates import BlockUpdates, ProposedBlocks
 from vllm_diffusion.worker.constraints import unsatisfiable_blocks, unsatisfiable_message
-from vllm_diffusion.worker.forward import StepForward
-from vllm_diffusion.worker.canvas_plan import step_planner
+from vllm_diffusion.worker.forward import ModelForward
+from vllm_diffusion.worker.canvas_plan import row_planner
 from vllm_diffusion.worker.geometry import step_geometry
 from vllm_diffusion.worker.grammar import GrammarCompiler, GrammarStep
 from vllm_diffusion.worker.logprobs import to_vllm_lists, wants_logprobs
@@ -46,9 +46,9 @@ from vllm_diffusion.worker.proposal import ProposalPipeline, chunk_rows
 from vllm_diffusion.worker.proposal_grid import scatter_to_host
 from vllm_diffusion.worker.row_context import RowContext
 from vllm_diffusion.worker.sampling import argmax_params
-from vllm_diffusion.worker.step_failures import StepFailures
+from vllm_diffusion.worker.failure_isolation import StepFailures
 from vllm_diffusion.worker.step_plan import (KnownTokens, RequestRows, denoised_blocks,
-                                             forward_step, stop_tokens)
+                                             gather_step, stop_tokens)
 
 class DiffusionRunnerMixin:
     """Mixed into vLLM's ``GPUModelRunner`` / ``CPUModelRunner``."""
@@ -58,7 +58,7 @@ class DiffusionRunnerMixin:
         self.diffusion = engine_config_from_vllm(self.vllm_config)
         # where positions fall into blocks, and what a step computes, under the model's
         # attention regime (``geometry.py``)
-        self.planner = step_planner(step_geometry(
+        self.planner = row_planner(step_geometry(
             self.diffusion.model.attention, self.diffusion.block_size,
             self.diffusion.canvas_tokens, self.vllm_config.model_config.max_model_len,
             self.diffusion.cache_mode),
@@ -80,8 +80,10 @@ class DiffusionRunnerMixin:
                                       self.scheduler_config.max_num_seqs)
         self.diffusion_stats = DiffusionStats()
         self.grammars = GrammarCompiler(self.vllm_config, self.diffusion_stats)
-        self.step_forward = StepForward(self, self.diffusion_stats)
-        self.updates = BlockUpdates(self)
+        self.model_forward: ModelForward | None = None  # built at the first step
+        self.updates = BlockUpdates(self.diffusion.mask_token_id,
+                                    self.diffusion.max_steps_without_progress,
+                                    self.diffusion_stats, self.grammars)
 
     def worst_logits_chunk(self) -> list[int]:
         """Rows per request of the largest chunk of logits a step can make at once: whole
@@ -124,16 +126,20 @@ class DiffusionRunnerMixin:
         layer_rows: list[int] = []
         computed = [r for r in rows if r.positions]  # a part-scheduled sequence waits
         if computed:
-            step = forward_step(computed, self.device)
-            hidden_states, out_rows, layer_rows = self.step_forward.run(
-                computed, step, self.policy.forward_hooks(step),
+            step = gather_step(computed, self.device)
+            if self.model_forward is None:  # the KV cache is configured by now
+                self.model_forward = ModelForward(self.vllm_config, self.kv_cache_config,
+                                                self.device, self.diffusion,
+                                                self.diffusion_stats)
+            hidden_states, out_rows, layer_rows = self.model_forward.run(
+                self.model, computed, step, self.policy.forward_hooks(step),
                 [self.requests[r.req_id].block_ids[0] for r in computed])
             proposed = self._propose(computed, step, hidden_states, out_rows, failures)
             if proposed is not None and proposed.grid.ranked is not None:
-                emitted = self.updates.rewrite(proposed, failures)  # tokens move
+                emitted = self.updates.rewrite(proposed, self.policy, failures)  # tokens move
             elif proposed is not None:
-                decisions = self.updates.decide(proposed, failures)
-                emitted = self.updates.apply(proposed, decisions, failures)
+                decisions = self.updates.decide(proposed, self.policy.unmasking, failures)
+                emitted = self.updates.apply(proposed, decisions, self.policy, failures)
         stats.engine_steps += 1
         return self._output(req_ids, rows, emitted, layer_rows, before, failures)
 

@@ -18,7 +18,7 @@ logits are read from, always the row before it:
   cached already), the row is computed again, which rewrites its KV unchanged. That
   step's proposal is the argmax at any temperature, as the published commit step's;
 - a step that computes part of the block (the active sub-block under Fast-dLLM v2's
-  block cache, ``policies/sub_block_cache.py``; the rows FOCUS's intra-block cache has
+  block cache, ``policies/parts/sub_block_cache.py``; the rows FOCUS's intra-block cache has
   not frozen) reads, from each computed row but the last, the position after it: a run of
   positions from a known one reads each later position of the run. Every masked position
   it computes must have its row before it computed (the policy's traits promise it).

@@ -145,7 +145,7 @@ def whole_block(block_size: int) -> torch.Tensor:
     return torch.arange(block_size)
 
 
-def forward_step(rows: list[RequestRows], device: torch.device) -> ForwardStep:
+def gather_step(rows: list[RequestRows], device: torch.device) -> ForwardStep:
     """What the policy's forward hooks see of a step's rows."""
     requests, offset = [], 0
     for r in rows:

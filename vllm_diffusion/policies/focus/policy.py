@@ -44,10 +44,10 @@ import torch
 from vllm_diffusion.capabilities import PolicyTraits
 from vllm_diffusion.kernels.selection import CONTEXT_RULES
 from vllm_diffusion.options import OptionError, Rule, option, option_value
-from vllm_diffusion.policies.block_cache import IntraBlockCache
+from vllm_diffusion.policies.parts.block_cache import IntraBlockCache
 from vllm_diffusion.policies.focus.hooks import FocusStepHooks
-from vllm_diffusion.policies.strategy_unmasking import StrategyPolicy
-from vllm_diffusion.policies.unmasking import STRATEGIES, StrategyConfig
+from vllm_diffusion.policies.parts.strategy_unmasking import StrategyPolicy
+from vllm_diffusion.policies.parts.strategy_config import STRATEGIES, StrategyConfig
 from vllm_diffusion.step.hooks import ForwardStep, StepHooks
 from vllm_diffusion.step.plans import WHOLE_BLOCK, BlockStepPlan
 from vllm_diffusion.step.request import DiffusionRequest

@@ -24,8 +24,8 @@ import dataclasses
 import torch
 
 from vllm_diffusion.options import OptionError, Rule, option
-from vllm_diffusion.policies.block_cache import IntraBlockCache
-from vllm_diffusion.policies.unmasking import StrategyConfig
+from vllm_diffusion.policies.parts.block_cache import IntraBlockCache
+from vllm_diffusion.policies.parts.strategy_config import StrategyConfig
 from vllm_diffusion.step.plans import WHOLE_BLOCK, BlockStepPlan
 from vllm_diffusion.step.request import BlockCanvas
 

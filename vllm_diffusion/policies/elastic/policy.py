@@ -41,12 +41,12 @@ to B, not only powers of two), keeping the current size unless another promises 
   pass over the step's canvases and ten latency queries.
 
 c counts the undecided positions a step computes per request (the chunk window of
-``chunk_window.py``: the first c undecided positions, with decoded ones left of them as
+``parts/chunk_window.py``: the first c undecided positions, with decoded ones left of them as
 context; with ``chunk_reuse``, the default here as in the paper's prefix caching, those
 keep their KV, so a request computes about c positions). Every ``explore_every``-th step
 one request (in turn) decodes at the least observed size, so every estimate keeps being
 measured without moving the batch off its choice. Unmasking is the strategies'
-(``unmasking.py``); committed KV is exact whatever the chunk.
+(``policies/rules/``); committed KV is exact whatever the chunk.
 
 The chunk a request decodes at depends on the load (the batch it runs in, the latency
 measured, its turn to explore), and so does its output, greedy included: the chunk
@@ -74,15 +74,15 @@ import torch
 
 from vllm_diffusion.capabilities import PolicyTraits
 from vllm_diffusion.options import Rule, option
-from vllm_diffusion.policies.chunk_statistics import (
+from vllm_diffusion.policies.elastic.chunk_statistics import (
     ChunkStatistics,
     StepRecord,
     chunk_candidates,
     stage_of,
 )
-from vllm_diffusion.policies.chunk_window import ChunkConfig, ChunkWindow
-from vllm_diffusion.policies.latency_model import LatencyProfile, OnlineLatency, model_identity
-from vllm_diffusion.policies.strategy_unmasking import StrategyPolicy
+from vllm_diffusion.policies.parts.chunk_window import ChunkConfig, ChunkWindow
+from vllm_diffusion.policies.elastic.latency_model import LatencyProfile, OnlineLatency, model_identity
+from vllm_diffusion.policies.parts.strategy_unmasking import StrategyPolicy
 from vllm_diffusion.step.hooks import ForwardStep
 from vllm_diffusion.step.plans import BlockStepPlan
 from vllm_diffusion.step.request import DiffusionRequest
@@ -118,7 +118,7 @@ class ElasticPolicy(StrategyPolicy[ElasticConfig, ChunkWindow]):
     @classmethod
     def traits(cls, options: Mapping[str, Any]) -> PolicyTraits:
         """Computes a chunk of the block; where logits are shifted, its window of rows
-        reads every undecided position in it (``chunk_window.py``)."""
+        reads every undecided position in it (``parts/chunk_window.py``)."""
         return dataclasses.replace(super().traits(options), shifted_logits=True,
                                    shifted_partial_blocks=True)
 

@@ -6,7 +6,7 @@ unmasks ``int(M * (1 - t_next / t))`` of its M masked positions, computed in flo
 the published loop does (the truncation decides the count), and every remaining one at
 its last step (``s >= steps - 1``). The count is 0 at some steps (as many steps as masks:
 the first step's is ``int(M * 0.999 / M)`` = 0); such a step commits nothing by design
-(``StrategyUnmasking.scheduled_idle``), and the last step commits every mask left, so a
+(``TimestepSchedule.idle``), and the last step commits every mask left, so a
 block ends within ``steps`` steps.
 
 The positions unmasked are the top count by the published ``alg`` (``SCHEDULE_RANKINGS``):
@@ -23,7 +23,9 @@ import functools
 
 import torch
 
-# the published ``alg`` values the strategy ranks by (index: the batched ``alg`` code)
+from vllm_diffusion.policies.rules.blocks import CommitRule, RuleBlocks
+
+# the published ``alg`` values the strategy ranks by
 SCHEDULE_RANKINGS = ("maskgit_plus", "entropy")
 # the published ``alg`` values refused, with why
 UNSERVED_ALGS = {
@@ -42,37 +44,49 @@ def timesteps(steps: int, eps: float) -> torch.Tensor:
 
 
 def batched_timestep_quota(num_masked: torch.Tensor, steps_taken: torch.Tensor,
-                           steps_allowed: torch.Tensor, eps: torch.Tensor,
-                           scheduled: torch.Tensor) -> torch.Tensor:
-    """[R] int64: the masked positions each ``scheduled`` block unmasks at its step (0
-    elsewhere): ``int(M * (1 - t_{s+1} / t_s))``, every one at the last allowed step
-    (plain reference: ``tests/reference_unmasking.py``).
+                           steps_allowed: torch.Tensor, eps: torch.Tensor) -> torch.Tensor:
+    """[R] int64: the masked positions each block unmasks at its step:
+    ``int(M * (1 - t_{s+1} / t_s))``, every one at the last allowed step (plain
+    reference: ``tests/reference_unmasking.py``).
 
     num_masked, steps_taken, steps_allowed: [R] int64; eps: [R] float64 (the options'
-    values, so that the timesteps are exactly the published ones); scheduled: [R] bool.
+    values, so that the timesteps are exactly the published ones).
     """
     ratio = torch.zeros(len(num_masked), dtype=torch.float32)  # [R] 1 - t_next / t
-    pairs = zip(steps_allowed[scheduled].tolist(), eps[scheduled].tolist())
-    for steps, value in set(pairs):  # one group per schedule: float32 as published
-        group = scheduled & (steps_allowed == steps) & (eps == value)
+    for steps, value in set(zip(steps_allowed.tolist(), eps.tolist())):
+        group = (steps_allowed == steps) & (eps == value)  # one schedule: float32 as published
         times = timesteps(steps, value)
         step = steps_taken[group].clamp(max=steps - 1)
         ratio[group] = 1 - times[step + 1] / times[step]
     quota = (num_masked.to(torch.float32) * ratio).long()  # truncated, as int()
-    last = steps_taken >= steps_allowed - 1
-    return torch.where(scheduled, torch.where(last, num_masked, quota),
-                       torch.zeros_like(num_masked))
+    return torch.where(steps_taken >= steps_allowed - 1, num_masked, quota)
 
 
-def schedule_score(confidence: torch.Tensor, entropy: torch.Tensor | None,
-                   ranking: torch.Tensor) -> torch.Tensor:
-    """[R, B] float: what the schedule ranks masked positions by. confidence: [R, B];
-    entropy: [R, B] (needed where a block ranks by ``entropy``); ranking: [R] int64, an
-    index into ``SCHEDULE_RANKINGS``."""
-    by_entropy = ranking == SCHEDULE_RANKINGS.index("entropy")
-    if not bool(by_entropy.any()):
-        return confidence
-    if entropy is None:
-        raise ValueError("the timestep_schedule strategy's 'entropy' alg needs each "
-                         "proposal's entropy")
-    return torch.where(by_entropy[:, None], -entropy, confidence)
+class TimestepSchedule(CommitRule):
+    name = "timestep_schedule"
+
+    def needs_entropy(self, config) -> bool:
+        return config.alg == "entropy"
+
+    def _quota(self, blocks: RuleBlocks) -> torch.Tensor:  # [R]
+        return batched_timestep_quota(blocks.num_masked, blocks.taken, blocks.allowed,
+                                      blocks.option("eps", torch.float64))
+
+    def step(self, blocks: RuleBlocks) -> torch.Tensor:
+        by_entropy = torch.tensor([c.alg == "entropy" for c in blocks.configs])  # [R]
+        score = blocks.confidence
+        if bool(by_entropy.any()):
+            if blocks.entropy is None:
+                raise ValueError("the timestep_schedule strategy's 'entropy' alg needs "
+                                 "each proposal's entropy")
+            score = torch.where(by_entropy[:, None], -blocks.entropy, score)
+        num_rows, block = blocks.candidates.shape
+        score = torch.where(blocks.candidates, score, torch.full_like(score, float("-inf")))
+        by_score = torch.sort(score, dim=1, descending=True, stable=True).indices
+        score_rank = torch.empty_like(by_score).scatter_(
+            1, by_score, torch.arange(block).expand(num_rows, block).contiguous())
+        return (score_rank < self._quota(blocks)[:, None]) & blocks.candidates
+
+    def idle(self, blocks: RuleBlocks) -> list[bool]:
+        """The blocks with candidates whose quota truncates to 0 before their last step."""
+        return ((blocks.num_masked > 0) & (self._quota(blocks) == 0)).tolist()

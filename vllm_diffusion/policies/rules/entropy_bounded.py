@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import torch
 
+from vllm_diffusion.policies.rules.blocks import CommitRule, RuleBlocks
+
 ENTROPY_BOUNDED_ORDERS = ("entropy", "confidence")
 
 
@@ -53,3 +55,19 @@ def entropy_bounded_commits(confidence: torch.Tensor, masked: torch.Tensor,
     count = within.sum(dim=1, keepdim=True).clamp(min=1)  # [R, 1]
     taken = torch.arange(masked.shape[1]).expand_as(masked) < count  # in order
     return torch.zeros_like(masked).scatter(1, order, taken) & masked
+
+
+class EntropyBounded(CommitRule):
+    name = "entropy_bounded"
+
+    def needs_entropy(self, config) -> bool:
+        return True
+
+    def step(self, blocks: RuleBlocks) -> torch.Tensor:
+        if blocks.entropy is None:
+            raise ValueError("the entropy_bounded strategy needs each proposal's entropy")
+        commits = entropy_bounded_commits(
+            blocks.confidence, blocks.candidates, blocks.entropy,
+            blocks.option("entropy_bound"),
+            torch.tensor([c.entropy_bounded_order == "confidence" for c in blocks.configs]))
+        return torch.where(blocks.last_step, blocks.candidates, commits)

@@ -83,9 +83,9 @@ import torch
 
 from vllm_diffusion.capabilities import PolicyTraits
 from vllm_diffusion.options import OptionError, Rule, option, option_value
-from vllm_diffusion.policies.es_state import EsSlotState, EsState, EsUnmasking
-from vllm_diffusion.policies.strategy_unmasking import StrategyPolicy
-from vllm_diffusion.policies.unmasking import StrategyConfig
+from vllm_diffusion.policies.es.state import EsSlotState, EsState, EsUnmasking
+from vllm_diffusion.policies.parts.strategy_unmasking import StrategyPolicy
+from vllm_diffusion.policies.parts.strategy_config import StrategyConfig
 from vllm_diffusion.step.hooks import (ForwardStep, LayerHooks, LayerInput, RowSelection,
                                        StepHooks)
 from vllm_diffusion.step.plans import WHOLE_BLOCK, BlockStepPlan

@@ -1,49 +1,19 @@
-"""Unmasking strategies: which masked positions of a block a step commits.
-
-Following SDAR's published ``generate.py`` and LMDeploy:
-
-- ``low_confidence_dynamic`` (SDAR): commit every masked position whose confidence is
-  above ``threshold`` if there are at least the step's quota of them, else the top quota.
-- ``low_confidence_static``: commit the top quota by confidence.
-- ``sequential``: commit the leftmost quota of masked positions.
-- ``threshold`` (LMDeploy / SGLang): commit the most confident masked position plus every
-  masked position with confidence at least ``threshold``.
-- ``entropy_bounded`` (EB-sampler, Ben-Hamu et al., arXiv 2505.24857): the masked
-  positions in ``entropy_bounded_order`` (``entropy``: lowest first, the default, as the
-  public implementations; ``confidence``: highest first), the longest prefix whose summed
-  entropy, minus the largest entropy in it, is at most ``entropy_bound``; at least one
-  position per step; see ``entropy_bounded.py``.
-- ``timestep_schedule`` (Dream's ``diffusion_generate``): at step s of ``denoising_steps``
-  (the published ``steps``), the top ``int(M * (1 - t_{s+1} / t_s))`` of the M masked
-  positions over the timesteps ``linspace(1, eps, steps + 1)``, ranked by ``alg``
-  (``maskgit_plus``: confidence; ``entropy``: negative entropy); see
-  ``timestep_schedule.py``. Some of its steps commit nothing by design.
-
-The quota of step ``s`` spreads the block over ``denoising_steps`` steps
-(``B // steps`` plus one for the first ``B % steps`` steps), so every strategy finishes a
-block within ``denoising_steps`` steps; ``threshold``, ``entropy_bounded`` and
-``timestep_schedule`` commit everything left at their last allowed step.
-
-``strategy_unmasking.StrategyUnmasking`` is the engine's decision by these (with LLaDA2.1
-token editing), and ``strategy_unmasking.StrategyPolicy`` the base of the policies that
-decide by it. The plain per-block reference of the batched choice
-(``batched_commits.batched_choose_commits``) is ``tests/reference_unmasking.py``.
-"""
+"""The options of the policies that unmask by the rules of ``policies/rules/``
+(``StrategyConfig``): the rule (``strategy``), each rule's own options, sub-blocks, the
+steps a block may take, and LLaDA2.1 token editing."""
 
 from __future__ import annotations
 
 import dataclasses
 from typing import ClassVar
 
-import torch
-
 from vllm_diffusion.options import OptionError, Rule, option
 from vllm_diffusion.policies.base import PolicyConfig
-from vllm_diffusion.policies.entropy_bounded import ENTROPY_BOUNDED_ORDERS
-from vllm_diffusion.policies.timestep_schedule import SCHEDULE_RANKINGS, UNSERVED_ALGS
+from vllm_diffusion.policies.rules import RULES
+from vllm_diffusion.policies.rules.entropy_bounded import ENTROPY_BOUNDED_ORDERS
+from vllm_diffusion.policies.rules.timestep_schedule import SCHEDULE_RANKINGS, UNSERVED_ALGS
 
-STRATEGIES = ("low_confidence_dynamic", "low_confidence_static", "sequential", "threshold",
-              "entropy_bounded", "timestep_schedule", "factor")
+STRATEGIES = tuple(RULES)  # the rules' names, the ``strategy`` option's values
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,9 +96,3 @@ class StrategyConfig(PolicyConfig):
     def steps_for(self, block_size: int) -> int:
         return self.denoising_steps or block_size
 
-
-def step_quota(block_size: int, steps: int, step: int) -> int:
-    """Positions to commit at denoising step ``step`` of a block (SDAR's schedule)."""
-    if step >= steps:
-        return block_size
-    return block_size // steps + (1 if step < block_size % steps else 0)

@@ -123,7 +123,7 @@ def joint_step(state: JointBlockState, old: torch.Tensor, proposals: torch.Tenso
 
     old: [B] the block; proposals, confidence: [B] greedy token and its probability;
     alternatives: [B, ALTERNATIVES] the best tokens in order; step: the block's steps so
-    far; config: the request's ``unmasking.StrategyConfig``. Updates ``state``."""
+    far; config: the request's ``parts.strategy_config.StrategyConfig``. Updates ``state``."""
     masks = (old == mask_id) & ~state.fixed
     original_left = int((masks & state.original).sum())
     mask_count = int(masks.sum())

@@ -1,4 +1,4 @@
-"""ES-dLLM's decision state and its decision (the ``es`` policy, ``es.py``): per request
+"""ES-dLLM's decision state and its decision (the ``es`` policy, ``policy.py``): per request
 where its block stands (``EsState``), per slot each position's last confidence, the
 positions the previous step decoded and the skip layers' cached outputs
 (``EsSlotState``), and the strategy decision that records the confidences and the decoded
@@ -11,7 +11,7 @@ import dataclasses
 import torch
 
 from vllm_diffusion.capabilities import ModelCapabilities
-from vllm_diffusion.policies.strategy_unmasking import StrategyUnmasking
+from vllm_diffusion.policies.parts.strategy_unmasking import StrategyUnmasking
 from vllm_diffusion.step.plans import CommitBatch
 from vllm_diffusion.step.slots import SlotTable, slot_index
 

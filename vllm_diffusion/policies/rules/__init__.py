@@ -1,0 +1,79 @@
+"""Unmasking rules: which masked positions of a block a step commits. One module per rule,
+each a ``blocks.CommitRule`` with one batched ``step``, registered in ``RULES`` (the
+``strategy`` option's values, in this order):
+
+- ``low_confidence_dynamic`` (SDAR, the default), ``low_confidence_static``,
+  ``sequential``: by SDAR's quota of each step (``blocks.step_quota``: the block spread
+  over ``denoising_steps`` steps);
+- ``threshold`` (LMDeploy, SGLang): the most confident position and every one above the
+  threshold;
+- ``entropy_bounded`` (EB-sampler, Ben-Hamu et al., arXiv 2505.24857);
+- ``timestep_schedule`` (Dream's ``diffusion_generate``; some of its steps commit nothing
+  by design, ``CommitRule.idle``);
+- ``factor`` (Fast-dLLM's dynamic rule).
+
+Every rule finishes a block within its ``denoising_steps``. ``choose_commits`` decides a
+step's blocks, each by its own rule (one call per rule followed). Token editing
+(LLaDA2.1) and the rewriting loop of models whose edits move tokens
+(``joint_editing.py``) decide on filled tokens and are the decision's
+(``policies/parts/strategy_unmasking.py``). The plain per-block reference of every rule is
+``tests/reference_unmasking.py``; adding a rule: ``docs/extending.md``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from vllm_diffusion.policies.rules.blocks import CommitRule, RuleBlocks
+from vllm_diffusion.policies.rules.entropy_bounded import EntropyBounded
+from vllm_diffusion.policies.rules.factor import Factor
+from vllm_diffusion.policies.rules.low_confidence_dynamic import LowConfidenceDynamic
+from vllm_diffusion.policies.rules.low_confidence_static import LowConfidenceStatic
+from vllm_diffusion.policies.rules.sequential import Sequential
+from vllm_diffusion.policies.rules.threshold import Threshold
+from vllm_diffusion.policies.rules.timestep_schedule import TimestepSchedule
+
+RULES: dict[str, CommitRule] = {rule.name: rule for rule in (
+    LowConfidenceDynamic(), LowConfidenceStatic(), Sequential(), Threshold(),
+    EntropyBounded(), TimestepSchedule(), Factor())}
+
+
+def _by_rule(blocks: RuleBlocks) -> dict[str, list[int]]:
+    """Each followed rule's blocks (indices), in the order first followed."""
+    groups: dict[str, list[int]] = {}
+    for i, config in enumerate(blocks.configs):
+        groups.setdefault(config.strategy, []).append(i)
+    return groups
+
+
+def choose_commits(blocks: RuleBlocks) -> torch.Tensor:
+    """[R, B] bool: what each block commits by its own rule (``config.strategy``)."""
+    groups = _by_rule(blocks)
+    if len(groups) == 1:  # the common step: one rule for every block
+        return RULES[next(iter(groups))].step(blocks)
+    chosen = torch.zeros_like(blocks.candidates)
+    for name, index in groups.items():
+        chosen[index] = RULES[name].step(blocks.rows(index))
+    return chosen
+
+
+def scheduled_idle(blocks: RuleBlocks) -> list[bool]:
+    """Per block: whether its rule's schedule commits nothing this step by design."""
+    idle = [False] * len(blocks.configs)
+    for name, index in _by_rule(blocks).items():
+        if type(RULES[name]).idle is not CommitRule.idle:  # only rules with a schedule
+            for i, value in zip(index, RULES[name].idle(blocks.rows(index))):
+                idle[i] = value
+    return idle
+
+
+def needs_entropy(configs: Sequence[Any]) -> bool:
+    """Whether any of these blocks' rules reads each proposal's entropy."""
+    return any(RULES[c.strategy].needs_entropy(c) for c in configs)
+
+
+__all__ = ["RULES", "CommitRule", "RuleBlocks", "choose_commits", "needs_entropy",
+           "scheduled_idle"]
