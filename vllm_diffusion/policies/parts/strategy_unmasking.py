@@ -86,6 +86,8 @@ class StrategyUnmasking(BlockUnmasking[StrategyConfig, Any]):
     def scheduled_idle(self, batch: CommitBatch) -> list[bool]:
         """Blocks whose rule's schedule commits nothing this step by design
         (``CommitRule.idle``: Dream's timesteps)."""
+        if not any(r.policy_config.strategy in rules.SCHEDULED for r in batch.requests):
+            return [False] * len(batch.requests)  # the common step: nothing built
         return rules.scheduled_idle(self._rule_blocks(batch))
 
     def _rule_blocks(self, batch: CommitBatch) -> rules.RuleBlocks:

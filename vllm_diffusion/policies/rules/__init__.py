@@ -41,6 +41,11 @@ RULES: dict[str, CommitRule] = {rule.name: rule for rule in (
     EntropyBounded(), TimestepSchedule(), Factor())}
 
 
+# the rules whose schedule leaves some steps empty by design (they override ``idle``)
+SCHEDULED = frozenset(name for name, rule in RULES.items()
+                      if type(rule).idle is not CommitRule.idle)
+
+
 def _by_rule(blocks: RuleBlocks) -> dict[str, list[int]]:
     """Each followed rule's blocks (indices), in the order first followed."""
     groups: dict[str, list[int]] = {}
@@ -64,7 +69,7 @@ def scheduled_idle(blocks: RuleBlocks) -> list[bool]:
     """Per block: whether its rule's schedule commits nothing this step by design."""
     idle = [False] * len(blocks.configs)
     for name, index in _by_rule(blocks).items():
-        if type(RULES[name]).idle is not CommitRule.idle:  # only rules with a schedule
+        if name in SCHEDULED:
             for i, value in zip(index, RULES[name].idle(blocks.rows(index))):
                 idle[i] = value
     return idle
@@ -75,5 +80,5 @@ def needs_entropy(configs: Sequence[Any]) -> bool:
     return any(RULES[c.strategy].needs_entropy(c) for c in configs)
 
 
-__all__ = ["RULES", "CommitRule", "RuleBlocks", "choose_commits", "needs_entropy",
+__all__ = ["RULES", "SCHEDULED", "CommitRule", "RuleBlocks", "choose_commits", "needs_entropy",
            "scheduled_idle"]
