@@ -20,7 +20,8 @@ from vllm_diffusion.policies.elastic.chunk_statistics import (
     window_outcomes,
 )
 from vllm_diffusion.policies.elastic import ElasticConfig, ElasticPolicy
-from vllm_diffusion.policies.elastic.latency_model import LatencyProfile, OnlineLatency, fit_piecewise
+from vllm_diffusion.policies.elastic.latency_model import (LatencyProfile, OnlineLatency,
+                                                           fit_piecewise)
 from vllm_diffusion.step.request import OutputBounds
 from vllm_diffusion_lab.offline import stats_delta
 

@@ -81,7 +81,8 @@ from vllm_diffusion.policies.elastic.chunk_statistics import (
     stage_of,
 )
 from vllm_diffusion.policies.parts.chunk_window import ChunkConfig, ChunkWindow
-from vllm_diffusion.policies.elastic.latency_model import LatencyProfile, OnlineLatency, model_identity
+from vllm_diffusion.policies.elastic.latency_model import (LatencyProfile, OnlineLatency,
+                                                           model_identity)
 from vllm_diffusion.policies.parts.strategy_unmasking import StrategyPolicy
 from vllm_diffusion.step.hooks import ForwardStep
 from vllm_diffusion.step.plans import BlockStepPlan
