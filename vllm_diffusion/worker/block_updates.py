@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from vllm_diffusion.policies.base import BlockUnmasking, DecodingPolicy
+from vllm_diffusion.policies.base import DecodingPolicy
 from vllm_diffusion.step.failures import count_progress
 from vllm_diffusion.step.plans import CommitBatch, EditBatch
 from vllm_diffusion.step.request import DiffusionRequest
@@ -66,10 +66,11 @@ class BlockUpdates:
         self.stats = stats
         self.grammars = grammars
 
-    def decide(self, step: ProposedBlocks, unmasking: BlockUnmasking,
+    def decide(self, step: ProposedBlocks, policy: DecodingPolicy,
                failures: StepFailures) -> StepDecisions:
         """The commits and edits of every block, by the policy's decision (one call each
         for the whole batch), within the requests' grammars and bad words."""
+        unmasking = policy.unmasking
         grid, grammar, masked, context = step.grid, step.grammar, step.masked, step.context
         requests, blocks = step.requests, step.blocks
         proposals, confidence = grid.tokens, grid.confidence

@@ -138,7 +138,7 @@ class DiffusionRunnerMixin:
             if proposed is not None and proposed.grid.ranked is not None:
                 emitted = self.updates.rewrite(proposed, self.policy, failures)  # tokens move
             elif proposed is not None:
-                decisions = self.updates.decide(proposed, self.policy.unmasking, failures)
+                decisions = self.updates.decide(proposed, self.policy, failures)
                 emitted = self.updates.apply(proposed, decisions, self.policy, failures)
         stats.engine_steps += 1
         return self._output(req_ids, rows, emitted, layer_rows, before, failures)
