@@ -3,8 +3,9 @@ autoregressive decoding, "before" (a commit, checked out as a git worktree) and 
 (this checkout's working tree by default), alternating in one run.
 
 Each round runs ``throughput_vs_ar.py`` once per tree (``--configs autoregressive
-<config> --rounds 1``: the plugin configuration, then stock vLLM on the same weights
-generating per request as many tokens as the plugin did, ``ignore_eos``), each in a fresh
+<config>... --rounds 1``: the plugin configurations, then stock vLLM (the same weights, or
+the original model of the converted default) generating per request as many tokens as
+each plugin configuration did, ``ignore_eos``), each in a fresh
 process whose imports resolve to that tree, the order reversed every other round. Both
 trees run this checkout's measuring code on the same model (``--model``, by default this
 checkout's embedded model), so only the serving package and its lab (each tree's own)
@@ -19,13 +20,15 @@ the tree's own ``pyproject.toml`` and placed first on the path makes its entry p
 ones vLLM sees. Each child reports the ``vllm_diffusion.__file__`` it imported, and the
 run stops if that is not inside its tree.
 
-Reported per batch size: each tree's median plugin and autoregressive tokens/s over the
+Reported per configuration and batch size: each tree's median plugin and autoregressive tokens/s over the
 rounds (every round kept), the plugin / autoregressive ratio of the medians, and after /
 before of the plugin's medians and of those ratios (the second is insensitive to a slower
 period of the machine that falls on both engines of one tree's run); ``meets_target``: after / before of the plugin's medians
 at least ``--target`` at every batch size. JSON and a PNG.
 
     python benchmarks/before_after.py --before 5955a8a --batch-sizes 1 64 --rounds 5
+    python benchmarks/before_after.py --before 4a996e3 --model default \
+        --config standard elastic "chunk 2, reuse" --batch-sizes 1 4 16 64 --ignore-eos
 """
 
 from __future__ import annotations
@@ -84,11 +87,14 @@ def measure_tree(side: str, args, trees, scratch: pathlib.Path, runs: itertools.
     """One round of ``throughput_vs_ar.py`` in a child importing ``side``'s tree."""
     out = scratch / f"{side}-{next(runs)}.json"
     argv = [harness.ROOT / "benchmarks/throughput_vs_ar.py", "--configs", "autoregressive",
-            args.config, "--batch-sizes", *args.batch_sizes, "--rounds", "1",
+            *args.config, "--batch-sizes", *args.batch_sizes, "--rounds", "1",
             "--max-tokens", args.max_tokens, "--min-requests", args.min_requests,
-            "--model", args.model, "--out", out]
+            "--model", args.model, "--shape", args.shape, "--prompt-set", args.prompt_set,
+            "--out", out]
     if args.eager:
         argv += ["--plugin-eager", "--ar-eager"]
+    if args.ignore_eos:
+        argv += ["--ignore-eos"]
     report = harness.run_child(argv, env=tree_environment(trees[side], scratch / side),
                                cwd=trees[side], result=out)
     imported = pathlib.Path(report["package"]["vllm_diffusion"]).resolve()
@@ -119,8 +125,16 @@ def main() -> None:
     parser.add_argument("--before", required=True, help="a commit or a source tree")
     parser.add_argument("--after", default=str(harness.ROOT), help="a commit or a source tree "
                         "(default: this checkout's working tree)")
-    parser.add_argument("--config", default="standard B=4",
-                        choices=[name for name, config in CONFIGS.items() if config])
+    parser.add_argument("--config", nargs="+", default=["standard B=4"],
+                        choices=[name for name, config in CONFIGS.items() if config],
+                        help="one or more plugin configurations, measured in the same "
+                             "child process per round (one autoregressive engine for all)")
+    parser.add_argument("--shape", choices=("embedded", "large"), default="embedded",
+                        help="large: throughput_vs_ar.py's compute-bound random shape "
+                             "(its own model and prompts; --model is then unused)")
+    harness.add_prompt_set_option(parser)
+    parser.add_argument("--ignore-eos", action="store_true",
+                        help="fixed-length outputs of --max-tokens on both sides")
     parser.add_argument("--min-requests", type=int, default=16)
     parser.add_argument("--eager", action="store_true", help="both sides' engines eager "
                         "(default: vLLM's compilation, as throughput_vs_ar.py)")
@@ -133,10 +147,10 @@ def main() -> None:
             measure_tree, args=args, trees=trees, scratch=pathlib.Path(tmp),
             runs=itertools.count(1)), swap=True)
     rows = []
-    for batch in args.batch_sizes:
-        sides = {side: side_summary(measured[side], args.config, batch) for side in SIDES}
+    for config, batch in itertools.product(args.config, args.batch_sizes):
+        sides = {side: side_summary(measured[side], config, batch) for side in SIDES}
         before, after = sides["before"], sides["after"]
-        rows.append({"batch_size": batch, **sides,
+        rows.append({"config": config, "batch_size": batch, **sides,
                      "plugin_after_over_before":
                          after["plugin_tokens_per_s"] / before["plugin_tokens_per_s"],
                      "ratio_to_autoregressive_after_over_before":
@@ -151,11 +165,12 @@ def main() -> None:
                   machine=measured["after"][0]["machine"], rows=rows,
                   meets_target=all(r["plugin_after_over_before"] >= args.target for r in rows))
     harness.write_report(report, args.out, plot)
-    print("| batch | plugin tok/s before / after | after / before | plugin / AR before / after "
-          "| after / before |")
-    print("|---|---|---|---|---|")
+    print("| config | batch | plugin tok/s before / after | after / before | plugin / AR "
+          "before / after | after / before |")
+    print("|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['batch_size']} | {r['before']['plugin_tokens_per_s']:.0f} / "
+        print(f"| {r['config']} | {r['batch_size']} | "
+              f"{r['before']['plugin_tokens_per_s']:.0f} / "
               f"{r['after']['plugin_tokens_per_s']:.0f} | {r['plugin_after_over_before']:.3f} | "
               f"{r['before']['ratio_to_autoregressive']:.2f} / "
               f"{r['after']['ratio_to_autoregressive']:.2f} | "
@@ -169,7 +184,7 @@ def plot(report: dict, path: pathlib.Path) -> None:
         lines = {f"{side}, {who}": list(enumerate(r[side][f"{key}_each_round"], start=1))
                  for side in SIDES for who, key in (("plugin", "plugin_tokens_per_s"),
                                                      ("AR", "autoregressive_tokens_per_s"))}
-        panels.append(harness.Panel(f"{report['config']}, batch {r['batch_size']}", "round",
+        panels.append(harness.Panel(f"{r['config']}, batch {r['batch_size']}", "round",
                                     "output tokens/s", lines, log2_x=False,
                                     dashed=lambda label: label.endswith("AR")))
     harness.plot_panels(path, panels)

@@ -40,8 +40,9 @@ def add_common_options(parser, *, out: str, batch_sizes: Sequence[int] | None = 
         parser.add_argument("--max-tokens", type=int, default=max_tokens)
     if model:
         parser.add_argument("--model", default=None,
-                            help="checkpoint directory (default: the embedded SDAR model, "
-                                 "checkpoints/sdar-small-chat)")
+                            help="checkpoint directory, or 'default': the converted SmolLM2 "
+                                 "(tools/build_smollm2.py --converted); default: the "
+                                 "embedded SDAR model, checkpoints/sdar-small-chat")
     parser.add_argument("--out", type=pathlib.Path, default=ROOT / out)
 
 
@@ -65,9 +66,26 @@ def workload_examples(args, count: int) -> list:
 
 
 def model_path(args) -> str:
-    from vllm_diffusion.default_model import embedded_model_path
+    from vllm_diffusion.default_model import default_model_path, embedded_model_path
 
+    if args.model == "default":
+        return str(default_model_path())
     return str(args.model or embedded_model_path())
+
+
+def autoregressive_counterpart(checkpoint: pathlib.Path, into: pathlib.Path) -> pathlib.Path:
+    """What stock vLLM decodes autoregressively against ``checkpoint``: the original
+    SmolLM2-135M-Instruct for the converted default, else the same weights with the config
+    naming Qwen3 (``vllm_diffusion_lab.bench.autoregressive_copy``, written under ``into``)."""
+    from vllm_diffusion.default_model import converted_model_dir
+
+    if checkpoint.resolve() == converted_model_dir().resolve():
+        from vllm_diffusion_lab.real_model import original_checkpoint
+
+        return original_checkpoint()
+    from vllm_diffusion_lab.bench import autoregressive_copy
+
+    return autoregressive_copy(checkpoint, into)
 
 
 def engines_in_process() -> None:

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from vllm_diffusion.policies.standard import StandardConfig, StandardPolicy
-from vllm_diffusion.step.plans import CommitBatch
+from vllm_diffusion.step.plans import StepBlocks
 from vllm_diffusion.step.request import DiffusionRequest
 from vllm_diffusion.worker.geometry import BlockGeometry
 from vllm_diffusion.worker.proposal import ProposalPipeline
@@ -116,8 +116,9 @@ def test_commit_choice(benchmark, batch, policy):
     gen = torch.Generator().manual_seed(1)
     confidence = torch.rand(batch, BLOCK, generator=gen)
     masked = torch.rand(batch, BLOCK, generator=gen) < 0.7
-    benchmark(policy.make_unmasking().choose_commits,
-              CommitBatch(requests, confidence, masked))
+    tokens = torch.randint(8, VOCAB, (batch, BLOCK), generator=gen)
+    benchmark(policy.decide, StepBlocks(requests, confidence, masked, tokens,
+                                        torch.where(masked, MASK, tokens), ~masked))
 
 
 @pytest.mark.parametrize("batch", BATCHES)

@@ -58,7 +58,7 @@ def instrument(llm, diffusion: bool) -> StepClock:
     if diffusion:
         clock.wrap(runner, "_prepare", "planning")
         clock.wrap(runner.proposals, "propose", "proposals")
-        clock.wrap(runner.policy.unmasking, "choose_commits", "commit_choice")
+        clock.wrap(runner.policy, "decide", "commit_choice")
     else:
         # vLLM's runner samples in a second call, which the engine core makes after
         # execute_model; it is counted with execute_model.

@@ -1,8 +1,10 @@
 """Output tokens/s against batch size: stock vLLM decoding the same weights autoregressively
 next to the plugin's configurations, in one run.
 
-The autoregressive baseline is what every user already has: the checkpoint with its config
-switched to ``Qwen3ForCausalLM`` (same weights), served by stock vLLM with its defaults.
+The autoregressive baseline is what every user already has, served by stock vLLM with its
+defaults: for the converted default (``--model default``) the original SmolLM2-135M-
+Instruct, for an embedded checkpoint the same weights with its config switched to
+``Qwen3ForCausalLM`` (``harness.autoregressive_counterpart``).
 Both sides are compiled by default (``--ar-eager`` / ``--plugin-eager`` for eager; FOCUS
 still runs eagerly, as it drops rows inside the forward), each engine in this one process,
 one at a time, the configurations alternating in each of ``--rounds`` rounds
@@ -47,9 +49,19 @@ import time
 
 import harness
 
-# name: (diffusion block size, engine additional_config, per-request options); None: AR
+# name: (diffusion block size, None: the model's own; engine additional_config; per-request
+# options); None: AR
 CONFIGS = {
     "autoregressive": None,
+    # at the model's own block size and decoding defaults (the converted default: block 8)
+    "standard": (None, {"diffusion_policy": "standard"}, {}),
+    "focus": (None, {"diffusion_policy": "focus"}, {}),
+    "elastic": (None, {"diffusion_policy": "elastic"}, {}),
+    "chunk 2, reuse": (None, {"diffusion_policy": "standard"},
+                       {"chunk_size": 2, "chunk_reuse": True}),
+    "chunk 4, reuse": (None, {"diffusion_policy": "standard"},
+                       {"chunk_size": 4, "chunk_reuse": True}),
+    "whole block, reuse": (None, {"diffusion_policy": "standard"}, {"chunk_reuse": True}),
     "standard B=4": (4, {"diffusion_policy": "standard"}, {}),
     # the embedded model's own default threshold is 0.7 (its config.json); 0.9 is the
     # published SDAR loop's and the engine's
@@ -209,7 +221,6 @@ def main() -> None:
             CONFIGS[name][1]["latency_profile"] = args.latency_profile
     harness.engines_in_process()
 
-    from vllm_diffusion_lab.bench import autoregressive_copy
     count = max(args.batch_sizes + [args.min_requests])
     with tempfile.TemporaryDirectory() as tmp:
         if args.shape == "large":
@@ -221,7 +232,7 @@ def main() -> None:
         else:
             model = harness.model_path(args)
             examples, workload = harness.workload_examples(args, count), None
-        ar_model = autoregressive_copy(pathlib.Path(model), pathlib.Path(tmp))
+        ar_model = harness.autoregressive_counterpart(pathlib.Path(model), pathlib.Path(tmp))
         # the plugin configurations first in each round: the autoregressive rows take
         # their lengths
         order = sorted(args.configs, key=lambda n: CONFIGS[n] is None)

@@ -283,7 +283,7 @@ def test_ada_without_its_cache_decodes_the_same_under_preemption(four_layer_chec
 
 @pytest.mark.parametrize("policy", ["es", "ada"])
 def test_a_resumed_block_keeps_the_decision_state(policy):
-    """start_block(resumed=True) keeps the confidence cache / history (and ES-dLLM's
+    """A resumed block (``plan_step(request, "resumed")``) keeps the confidence cache / history (and ES-dLLM's
     decoded positions) in the request's slot rows, and asks for a step that recomputes the
     block; a new block resets them."""
     from vllm_diffusion.policies import POLICIES
@@ -298,26 +298,27 @@ def test_a_resumed_block_keeps_the_decision_state(policy):
     request = DiffusionRequest("r", config, policy_object.new_state(config), False,
                                block_slots=slots, slot=slots.acquire())
     slot = request.slot
-    policy_object.start_block(request, resumed=False)
+    request.block_for(0, [], 8, 0)
+    policy_object.plan_step(request, "new")
     state = request.policy_state
     if policy == "es":
         tables = policy_object.slot_state
         tables.confidence.data[slot] = torch.linspace(0, 1, 8)
         tables.decoded_last_step.data[slot, 2] = True
         state.kv_lost = False
-        policy_object.start_block(request, resumed=True)
+        policy_object.plan_step(request, "resumed")
         assert torch.equal(tables.confidence.data[slot], torch.linspace(0, 1, 8))
         assert bool(tables.decoded_last_step.data[slot, 2]) and state.kv_lost
-        policy_object.start_block(request, resumed=False)
+        policy_object.plan_step(request, "new")
         assert not bool(tables.confidence.data[slot].any())
     else:
         history = policy_object.history_table(config.history)
         history.data[slot] = 1.0
         state.cache.uncached[:4] = False
-        policy_object.start_block(request, resumed=True)
+        policy_object.plan_step(request, "resumed")
         assert torch.equal(history.data[slot], torch.ones(8, 3))
         assert bool(state.cache.processing_set().all())  # the block is recomputed
-        policy_object.start_block(request, resumed=False)
+        policy_object.plan_step(request, "new")
         assert not bool(history.data[slot].any())
 
 
@@ -340,7 +341,7 @@ def test_es_caches_are_rows_of_the_policys_slot_table():
         request = DiffusionRequest(name, config, policy.new_state(config), False,
                                    block_slots=slots, slot=slots.acquire())
         request.block_for(0, [], block, 0)
-        policy.start_block(request, resumed=False)
+        policy.plan_step(request, "new")
         return request
 
     def hooks_of(members):

@@ -173,8 +173,8 @@ def test_a_pinned_chunk_is_neither_chosen_nor_explored():
     for _ in range(8):
         policy.begin_step([pinned, free])
         policy.statistics.observe(policy.step_chunk, 0, 1, policy.step_chunk)
-        policy.plan_step(pinned)
-        policy.plan_step(free)
+        policy.plan_step(pinned, None)
+        policy.plan_step(free, None)
         assert pinned.policy_state.chunk == 4
         moved.add(free.policy_state.chunk)
     assert len(moved) > 1  # the unpinned request's chunk did move
@@ -271,7 +271,8 @@ def test_elastic_records_its_steps_and_a_done_block_starts_anew():
     request = types.SimpleNamespace(canvas=canvas, policy_state=state,
                                     policy_config=ElasticConfig(chunk_reuse=False),
                                     bounds=OutputBounds(frozenset({2}), None))
-    policy.after_step(request, torch.ones(8, dtype=torch.bool), torch.ones(8, dtype=torch.bool), 8)
+    policy.after_step(request, torch.ones(8, dtype=torch.bool), torch.ones(8, dtype=torch.bool), 8,
+                      True)
     canvas.tokens[:] = MASK  # the record keeps the block as the step left it
     policy.statistics.learn(policy.records, [8], 8, MASK)
     assert policy.statistics.commits[(8, 0)] == 2 and policy.statistics.rows[(8, 0)] == 8

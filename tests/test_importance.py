@@ -103,16 +103,13 @@ def test_engine_records_the_reference_importance_delta(dense_checkpoint):
 
 
 def test_recording_policy_delegates_the_whole_policy_interface():
-    """Every method and attribute of the interface, and every method of its decision
-    (``unmasking``), is the wrapped policy's, so recording changes no decision (a method
-    added to either must be delegated too)."""
-    from vllm_diffusion.policies.base import BlockUnmasking, DecodingPolicy
-    from vllm_diffusion_lab.recording import RecordingPolicy, RecordingUnmasking
+    """Every method and attribute of the interface is the wrapped policy's, so recording
+    changes no decision (a method added to the interface must be delegated too)."""
+    from vllm_diffusion.policies.base import DecodingPolicy
+    from vllm_diffusion_lab.recording import RecordingPolicy
 
     interface = {name for name in vars(DecodingPolicy) if not name.startswith("_")}
     assert interface <= set(vars(RecordingPolicy)), interface - set(vars(RecordingPolicy))
     for name in ("name", "config_cls", "block_size", "mask_token_id", "engine_config",
-                 "unmasking"):
+                 "proposal_ranks"):
         assert name in vars(RecordingPolicy), name
-    decision = {name for name in vars(BlockUnmasking) if not name.startswith("_")}
-    assert decision <= set(vars(RecordingUnmasking)), decision - set(vars(RecordingUnmasking))

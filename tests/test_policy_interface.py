@@ -14,20 +14,20 @@ from reference_unmasking import choose_commits, factor_count, timestep_quota
 
 from vllm_diffusion.options import OptionError, parse_options
 from vllm_diffusion.policies import POLICIES
-from vllm_diffusion.policies.base import BlockUnmasking, DecodingPolicy
+from vllm_diffusion.capabilities import ModelCapabilities
+from vllm_diffusion.policies.base import DecodingPolicy
 from vllm_diffusion.policies.focus import FocusConfig, FocusPolicy
 from vllm_diffusion.policies.standard import StandardConfig
 from vllm_diffusion.policies import rules
 from vllm_diffusion.policies.rules import RuleBlocks
 from vllm_diffusion.policies.rules import blocks as rule_blocks
-from vllm_diffusion.policies.parts.strategy_unmasking import StrategyUnmasking
+from vllm_diffusion.policies.parts.strategy_unmasking import strategy_decision
 from vllm_diffusion.policies.rules.timestep_schedule import SCHEDULE_RANKINGS, timesteps
 from vllm_diffusion.policies.rules.entropy_bounded import (ENTROPY_BOUNDED_ORDERS,
                                                            entropy_bounded_commits)
 from vllm_diffusion.policies.parts.strategy_config import STRATEGIES
-from vllm_diffusion.step.plans import CommitBatch
 from vllm_diffusion.step.hooks import LayerInput
-from vllm_diffusion.step.plans import BlockStepPlan
+from vllm_diffusion.step.plans import BlockStepPlan, StepBlocks, StepDecision
 from vllm_diffusion.step.request import DiffusionRequest
 from vllm_diffusion.worker.geometry import BlockGeometry
 from vllm_diffusion.worker.step_plan import gather_step, plan_request
@@ -62,21 +62,14 @@ class ComputeEven(DecodingPolicy):
     def new_state(self, config):
         return None
 
-    def plan_step(self, request):
+    def plan_step(self, request, start):
         keep = torch.zeros(self.block_size, dtype=torch.bool)
         keep[0] = True
         return BlockStepPlan(compute=torch.arange(self.block_size) % 2 == 0,
                              commit_recompute=keep)
 
-    def make_unmasking(self):
-        return CommitEveryMask()
-
-
-class CommitEveryMask(BlockUnmasking):
-    """Test decision: commits every masked position."""
-
-    def choose_commits(self, batch):
-        return batch.masked
+    def decide(self, blocks):
+        return StepDecision(blocks.available)  # every available mask
 
 
 def new_request(policy):
@@ -136,6 +129,17 @@ def test_forward_step_block_rows():
 
 
 # ------------------------------------------------------------- commit choice
+SDAR = ModelCapabilities(family="SDAR")
+
+
+def decide_by_rules(requests, confidence, masked, block):
+    """The rules' decision (``strategy_decision``) for blocks whose available masks are
+    ``masked`` [R, B] (the proposals and tokens play no part in the commits)."""
+    tokens = torch.zeros_like(masked, dtype=torch.long)
+    return strategy_decision(StepBlocks(requests, confidence, masked, tokens, tokens,
+                                        torch.zeros_like(masked)), block, MASK, SDAR)
+
+
 def random_blocks(seed, rows, block):
     gen = torch.Generator().manual_seed(seed)
     levels = torch.randint(1, 6, (rows, block), generator=gen).float() / 5  # with ties
@@ -211,14 +215,12 @@ def test_host_commit_choice_matches_the_tensor_path(name, alone, monkeypatch):
     assert rules.choose_commits(blocks).tolist() == want.tolist()
 
 
-def test_strategy_unmasking_decides_small_steps_on_the_host_and_large_ones_by_tensors():
+def test_the_rules_decide_small_steps_on_the_host_and_large_ones_by_tensors():
     """Both sides of ``MAX_HOST_POSITIONS`` give the per-block reference's commits."""
-    from vllm_diffusion.capabilities import ModelCapabilities
     from vllm_diffusion.policies.rules.blocks import MAX_HOST_POSITIONS
 
     for rows, block in ((3, 4), (MAX_HOST_POSITIONS // 4 + 1, 4)):
         confidence, masked, _ = random_blocks(7, rows, block)
-        unmasking = StrategyUnmasking(block, MASK, ModelCapabilities(family="SDAR"))
         configs = [StandardConfig(strategy=HOST_ORDER[i % 4], threshold=0.6)
                    for i in range(rows)]
         requests = []
@@ -226,7 +228,7 @@ def test_strategy_unmasking_decides_small_steps_on_the_host_and_large_ones_by_te
             request = DiffusionRequest(str(i), config, None, False)
             request.canvas = types.SimpleNamespace(steps=i % 3)
             requests.append(request)
-        got = unmasking.choose_commits(CommitBatch(requests, confidence, masked))
+        got = decide_by_rules(requests, confidence, masked, block).commits
         for i, config in enumerate(configs):
             want = choose_commits(confidence[i], masked[i], i % 3, block, config)
             assert got[i].tolist() == want.tolist(), (rows, i, config)
@@ -284,15 +286,13 @@ def test_scheduled_idle_steps_are_the_zero_quotas_before_the_last():
         return types.SimpleNamespace(policy_config=config,
                                      canvas=types.SimpleNamespace(steps=step))
 
-    unmasking = StrategyUnmasking(8, MASK, None)
     masked = torch.ones(4, 8, dtype=torch.bool)
     masked[3] = False  # nothing to choose from: not a scheduled idle step
     requests = [request("timestep_schedule", 0), request("timestep_schedule", 7),
                 request("low_confidence_static", 0), request("timestep_schedule", 0)]
-    batch = CommitBatch(requests, torch.rand(4, 8), masked)
-    assert unmasking.scheduled_idle(batch) == [True, False, False, False]
-    commits = unmasking.choose_commits(batch)
-    assert commits.sum(dim=1).tolist() == [0, 8, 1, 0]
+    decision = decide_by_rules(requests, torch.rand(4, 8), masked, 8)
+    assert decision.idle == [True, False, False, False]
+    assert decision.commits.sum(dim=1).tolist() == [0, 8, 1, 0]
 
 
 def test_sub_blocks_commit_only_in_the_leftmost_one_holding_a_mask():
@@ -306,17 +306,15 @@ def test_sub_blocks_commit_only_in_the_leftmost_one_holding_a_mask():
         return types.SimpleNamespace(policy_config=config,
                                      canvas=types.SimpleNamespace(steps=0))
 
-    unmasking = StrategyUnmasking(8, MASK, None)
     confidence = torch.tensor([[0.0, 0.1, 0.6, 0.2, 0.9, 0.95, 0.7, 0.1]]).repeat(3, 1)
     masked = torch.tensor([[False, False, True, True, True, True, True, True]]).repeat(3, 1)
-    batch = CommitBatch([request(4), request(2), request(None)], confidence, masked)
-    commits = unmasking.choose_commits(batch)
+    commits = decide_by_rules([request(4), request(2), request(None)], confidence, masked,
+                              8).commits
     assert torch.nonzero(commits[0]).flatten().tolist() == [2]  # sub-block [0, 4)
     assert torch.nonzero(commits[1]).flatten().tolist() == [2]  # sub-block [2, 4)
     assert torch.nonzero(commits[2]).flatten().tolist() == [2, 4, 5, 6]
     masked[0, :4] = False  # sub-block [4, 8) becomes the active one
-    commits = unmasking.choose_commits(CommitBatch([request(4)], confidence[:1],
-                                                   masked[:1]))
+    commits = decide_by_rules([request(4)], confidence[:1], masked[:1], 8).commits
     assert torch.nonzero(commits[0]).flatten().tolist() == [4, 5, 6]
     with pytest.raises(OptionError, match=r"option 'sub_block_size' must divide the block "
                                           r"size \(8\), got 3"):
@@ -383,9 +381,14 @@ def test_registry_and_interface():
         assert issubclass(cls, DecodingPolicy) and cls.name == name
     three_layers, four_layers = (types.SimpleNamespace(num_hidden_layers=n) for n in (3, 4))
     with pytest.raises(ValueError, match="evicts after layer 3"):
-        FocusPolicy(4, MASK, FocusConfig(eviction_layer=3)).bind_model(three_layers, False)
+        FocusPolicy(4, MASK, FocusConfig(eviction_layer=3)).bind(SDAR, three_layers, False)
     with pytest.raises(ValueError, match="prefix cache"):
-        FocusPolicy(4, MASK, FocusConfig(commit="delayed")).bind_model(four_layers, True)
+        FocusPolicy(4, MASK, FocusConfig(commit="delayed")).bind(SDAR, four_layers, True)
+    # the interface: what the runner calls, and nothing else public
+    public = {name for name, value in vars(DecodingPolicy).items()
+              if not name.startswith("_") and callable(getattr(DecodingPolicy, name))}
+    assert public == {"traits", "bind", "new_state", "begin_step", "plan_step",
+                      "forward_hooks", "decide", "after_step", "counters"}
 
 
 def test_layer_input_maps_step_rows_to_current_rows():

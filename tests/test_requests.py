@@ -175,15 +175,16 @@ def test_entropy_bounded_unmasking(llm):
     from vllm_diffusion_lab.offline import stats_delta
 
     prompts = [TokensPrompt(prompt_token_ids=p) for p in ([5, 6, 7], [8, 9, 10, 11, 12])]
-    unmasking = (llm.llm_engine.engine_core.engine_core.model_executor.driver_worker
-                 .worker.model_runner.policy.unmasking)
-    choose = unmasking.choose_commits
+    policy = (llm.llm_engine.engine_core.engine_core.model_executor.driver_worker
+              .worker.model_runner.policy)
+    decide = policy.decide
     decisions = []
 
-    def recording_choice(batch):
-        commits = choose(batch)
-        decisions.append((batch.masked.clone(), batch.entropy.clone(), commits.clone()))
-        return commits
+    def recording_decision(blocks):
+        decision = decide(blocks)
+        decisions.append((blocks.available.clone(), blocks.entropy.clone(),
+                          decision.commits.clone()))
+        return decision
 
     def run(options):
         before = llm.collective_rpc("diffusion_stats")[0]
@@ -193,11 +194,11 @@ def test_entropy_bounded_unmasking(llm):
         stats = stats_delta(before, llm.collective_rpc("diffusion_stats")[0])
         return [list(o.outputs[0].token_ids) for o in outputs], stats
 
-    unmasking.choose_commits = recording_choice
+    policy.decide = recording_decision
     try:
         _, narrow_stats = run({"strategy": "entropy_bounded", "entropy_bound": 0.0})
     finally:
-        del unmasking.choose_commits  # the class's method again
+        del policy.decide  # the class's method again
     committed = 0
     for masked, entropy, commits in decisions:
         for row in range(len(masked)):

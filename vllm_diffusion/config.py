@@ -53,7 +53,7 @@ DEFAULT_LOGITS_MEMORY_MIB = 256
 # available position; a grammar commits its leftmost one); a step computing none of the
 # masked positions writes nothing. 64 leaves room far above any such run. A step that a
 # commit schedule leaves empty by design (``timestep_schedule``'s zero quotas,
-# ``BlockUnmasking.scheduled_idle``) is not counted: the schedule ends its block itself.
+# ``StepDecision.idle``) is not counted: the schedule ends its block itself.
 DEFAULT_MAX_STEPS_WITHOUT_PROGRESS = 64
 # Full attention: the canvas a request's step computes past its current block's start
 # (the published loops' gen_length in their examples: 256 for LLaDA and Dream).

@@ -3,8 +3,7 @@
 ``RecordingPolicy`` wraps the engine's policy and delegates the whole policy interface to
 it. Its forward hooks also compute, before the attention of layers 0 and 1, the importance
 (``vllm_diffusion.kernels.importance``) of each request's masked block positions, and its
-decision's ``choose_commits`` (``RecordingUnmasking``, wrapping the inner policy's
-``unmasking``) appends one record per request and step: the absolute positions, the
+decision (``decide``, the inner policy's) appends one record per request and step: the absolute positions, the
 importance delta I1 - I0, the raw layer-1 importance, and which of the positions the
 wrapped policy decoded. The wrapped policy's own hooks run unchanged after the recording.
 
@@ -22,10 +21,10 @@ import torch
 
 from vllm_diffusion.attention.importance import step_candidate_importance
 from vllm_diffusion.capabilities import PolicyTraits
-from vllm_diffusion.policies.base import BlockUnmasking, DecodingPolicy
+from vllm_diffusion.policies.base import BlockStart, DecodingPolicy
 from vllm_diffusion.step.hooks import (ForwardStep, LayerHooks, LayerInput, RowSelection,
                                        StepHooks)
-from vllm_diffusion.step.plans import BlockStepPlan, CommitBatch, EditBatch
+from vllm_diffusion.step.plans import BlockStepPlan, StepBlocks, StepDecision
 from vllm_diffusion.step.request import DiffusionRequest
 
 RECORDED_LAYERS = (0, 1)
@@ -100,7 +99,6 @@ class RecordingPolicy(DecodingPolicy):
         self.inner = inner
         self.records: list[dict[str, list]] = []
         self.current: RecordingHooks | None = None
-        self.recording_unmasking = self.make_unmasking()
 
     # The attributes of the interface, read from the inner policy.
     @property
@@ -133,17 +131,18 @@ class RecordingPolicy(DecodingPolicy):
             raise AttributeError(attribute)
         return getattr(self.inner, attribute)
 
-    # The interface's methods: the inner's, with recording added at the hooks and (through
-    # ``unmasking``) the commit choice.
+    # The interface's methods: the inner's, with recording added at the hooks and the
+    # decision.
     @property
     def model(self) -> Any:
         return self.inner.model
 
+    @property
+    def proposal_ranks(self) -> int:
+        return self.inner.proposal_ranks
+
     def bind(self, model: Any, hf_config: Any, prefix_caching: bool) -> None:
         self.inner.bind(model, hf_config, prefix_caching)
-
-    def bind_model(self, hf_config: Any, prefix_caching: bool) -> None:
-        self.inner.bind_model(hf_config, prefix_caching)
 
     def begin_step(self, requests: list[DiffusionRequest]) -> None:
         self.inner.begin_step(requests)
@@ -151,22 +150,18 @@ class RecordingPolicy(DecodingPolicy):
     def new_state(self, config: Any) -> Any:
         return self.inner.new_state(config)
 
-    def start_block(self, request: DiffusionRequest, resumed: bool) -> None:
-        self.inner.start_block(request, resumed)
-
-    def plan_step(self, request: DiffusionRequest) -> BlockStepPlan:
-        return self.inner.plan_step(request)
+    def plan_step(self, request: DiffusionRequest, start: BlockStart) -> BlockStepPlan:
+        return self.inner.plan_step(request, start)
 
     def forward_hooks(self, step: ForwardStep) -> RecordingHooks:
         self.current = RecordingHooks(step, self.inner.forward_hooks(step), self.mask_token_id)
         return self.current
 
-    @property
-    def unmasking(self) -> RecordingUnmasking:
-        return self.recording_unmasking
-
-    def make_unmasking(self) -> RecordingUnmasking:
-        return RecordingUnmasking(self)
+    def decide(self, blocks: StepBlocks) -> StepDecision:
+        decision = self.inner.decide(blocks)
+        for request, commit in zip(blocks.requests, decision.commits):
+            self.record(request, commit)
+        return decision
 
     @classmethod
     def traits(cls, options: Any) -> PolicyTraits:
@@ -174,17 +169,11 @@ class RecordingPolicy(DecodingPolicy):
                             "positions with whole-block forwards only")
 
     def after_step(self, request: DiffusionRequest, masked_before: torch.Tensor,
-                   computed: torch.Tensor, num_decoded: int) -> None:
-        self.inner.after_step(request, masked_before, computed, num_decoded)
-
-    def chosen_chunk(self) -> int | None:
-        return self.inner.chosen_chunk()
+                   computed: torch.Tensor, num_decoded: int, block_done: bool) -> None:
+        self.inner.after_step(request, masked_before, computed, num_decoded, block_done)
 
     def counters(self) -> dict[str, Any]:
         return self.inner.counters()
-
-    def on_block_complete(self, request: DiffusionRequest) -> None:
-        self.inner.on_block_complete(request)
 
     def record(self, request: DiffusionRequest, commit: torch.Tensor) -> None:
         """One record of the request's step; ``commit``: [B] bool, its chosen positions
@@ -198,47 +187,6 @@ class RecordingPolicy(DecodingPolicy):
             "positions": (request.canvas.start + positions).tolist(),
             "delta": delta.tolist(), "layer1": layer1.tolist(),
             "decoded": commit[positions].tolist()})
-
-
-class RecordingUnmasking(BlockUnmasking):
-    """The inner policy's decision (read from it at each call, so a rebound inner policy's
-    applies), recording each request's step at the commit choice."""
-
-    def __init__(self, policy: RecordingPolicy) -> None:
-        self.policy = policy
-
-    @property
-    def inner(self) -> BlockUnmasking:
-        return self.policy.inner.unmasking
-
-    def wants_entropy(self, requests: list[DiffusionRequest]) -> bool:
-        return self.inner.wants_entropy(requests)
-
-    def choose_commits(self, batch: CommitBatch) -> torch.Tensor:
-        commits = self.inner.choose_commits(batch)
-        for request, commit in zip(batch.requests, commits):
-            self.policy.record(request, commit)
-        return commits
-
-    def scheduled_idle(self, batch: CommitBatch) -> list[bool]:
-        return self.inner.scheduled_idle(batch)
-
-    def edits_tokens(self, request: DiffusionRequest) -> bool:
-        return self.inner.edits_tokens(request)
-
-    def choose_edits(self, batch: EditBatch) -> torch.Tensor | None:
-        return self.inner.choose_edits(batch)
-
-    def ranked_proposals(self) -> int:
-        return self.inner.ranked_proposals()
-
-    def rewrite_block(self, request: DiffusionRequest, old: torch.Tensor,
-                      proposals: torch.Tensor, confidence: torch.Tensor,
-                      ranked: torch.Tensor) -> Any:
-        return self.inner.rewrite_block(request, old, proposals, confidence, ranked)
-
-    def block_ends(self, request: DiffusionRequest, edited: bool, began_unmasked: bool) -> bool:
-        return self.inner.block_ends(request, edited, began_unmasked)
 
 
 def wrap_worker_policy(worker: Any) -> None:

@@ -66,16 +66,16 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any, ClassVar
 
 import torch
 
 from vllm_diffusion.capabilities import PolicyTraits
 from vllm_diffusion.options import Rule, option, option_value
-from vllm_diffusion.policies.base import BlockUnmasking, DecodingPolicy, PolicyConfig
+from vllm_diffusion.policies.base import BlockStart, DecodingPolicy, PolicyConfig
 from vllm_diffusion.policies.parts.block_cache import RULES, IntraBlockCache
-from vllm_diffusion.step.plans import WHOLE_BLOCK, BlockStepPlan, CommitBatch
+from vllm_diffusion.step.plans import WHOLE_BLOCK, BlockStepPlan, StepBlocks, StepDecision
 from vllm_diffusion.step.request import DiffusionRequest
 from vllm_diffusion.step.slots import SlotTable, slot_index
 
@@ -185,39 +185,6 @@ class AdaState:
 AdaRequest = DiffusionRequest[AdaConfig, AdaState]
 
 
-class AdaUnmasking(BlockUnmasking[AdaConfig, AdaState]):
-    """Ada-DLM's decision: commits the positions it freezes (``batched_freeze_positions``)
-    from each request's confidence history, which it updates in the policy's history
-    tables (``history_table``: history length -> its table)."""
-
-    def __init__(self, history_table: Callable[[int], SlotTable]) -> None:
-        self.history_table = history_table
-
-    def choose_commits(self, batch: CommitBatch) -> torch.Tensor:
-        states = [r.policy_state for r in batch.requests]
-        slots = slot_index(batch.requests)  # [R]
-        lengths = sorted({s.history_steps for s in states})
-        commits = torch.zeros_like(batch.masked)
-        for length in lengths:  # one batch per history length
-            group = [i for i, s in enumerate(states) if s.history_steps == length]
-            masked, confidence = batch.masked[group], batch.confidence[group]
-            group_slots = slots[group]
-            table = self.history_table(length).covering(group_slots)  # [S, B, h]
-            previous = table[group_slots]  # [R', B, h]
-            shifted = torch.cat([confidence[..., None], previous[..., :-1]], dim=2)
-            history = torch.where(masked[..., None], shifted, previous)
-            configs = [batch.requests[i].policy_config for i in group]
-            capacity = torch.tensor([c.capacity for c in configs], dtype=torch.float64)
-            floor = torch.tensor([c.confidence_floor for c in configs], dtype=torch.float64)
-            static = torch.tensor([math.nan if c.static_threshold is None
-                                   else c.static_threshold for c in configs],
-                                  dtype=torch.float64)
-            commits[group] = batched_freeze_positions(confidence, masked, history, capacity,
-                                                      floor, static)
-            table[group_slots] = history
-        return commits
-
-
 class AdaPolicy(DecodingPolicy[AdaConfig, AdaState]):
     name: ClassVar[str] = "ada"
     config_cls: ClassVar[type] = AdaConfig
@@ -256,20 +223,43 @@ class AdaPolicy(DecodingPolicy[AdaConfig, AdaState]):
     def new_state(self, config: AdaConfig) -> AdaState:
         return AdaState(self.block_size, config.history)
 
-    def start_block(self, request: AdaRequest, resumed: bool) -> None:
+    def plan_step(self, request: AdaRequest, start: BlockStart) -> BlockStepPlan:
         state = request.policy_state
-        if state.start_block(resumed, request.policy_config.freeze_rule):
+        if start is not None and state.start_block(start == "resumed",
+                                                   request.policy_config.freeze_rule):
             self.history_table(state.history_steps).reset(request.slot)
-
-    def plan_step(self, request: AdaRequest) -> BlockStepPlan:
         if not self.uses_intra_block_cache(request.policy_config):
             return WHOLE_BLOCK
         return BlockStepPlan(request.policy_state.cache.processing_set())
 
-    def make_unmasking(self) -> AdaUnmasking:
-        return AdaUnmasking(self.history_table)
+    def decide(self, blocks: StepBlocks) -> StepDecision:
+        """Ada-DLM's decision: commits the positions it freezes
+        (``batched_freeze_positions``) from each request's confidence history, which it
+        updates in the policy's history tables."""
+        states = [r.policy_state for r in blocks.requests]
+        slots = slot_index(blocks.requests)  # [R]
+        lengths = sorted({s.history_steps for s in states})
+        commits = torch.zeros_like(blocks.available)
+        for length in lengths:  # one batch per history length
+            group = [i for i, s in enumerate(states) if s.history_steps == length]
+            masked, confidence = blocks.available[group], blocks.confidence[group]
+            group_slots = slots[group]
+            table = self.history_table(length).covering(group_slots)  # [S, B, h]
+            previous = table[group_slots]  # [R', B, h]
+            shifted = torch.cat([confidence[..., None], previous[..., :-1]], dim=2)
+            history = torch.where(masked[..., None], shifted, previous)
+            configs = [blocks.requests[i].policy_config for i in group]
+            capacity = torch.tensor([c.capacity for c in configs], dtype=torch.float64)
+            floor = torch.tensor([c.confidence_floor for c in configs], dtype=torch.float64)
+            static = torch.tensor([math.nan if c.static_threshold is None
+                                   else c.static_threshold for c in configs],
+                                  dtype=torch.float64)
+            commits[group] = batched_freeze_positions(confidence, masked, history, capacity,
+                                                      floor, static)
+            table[group_slots] = history
+        return StepDecision(commits)
 
     def after_step(self, request: AdaRequest, masked_before: torch.Tensor,
-                   computed: torch.Tensor, num_decoded: int) -> None:
+                   computed: torch.Tensor, num_decoded: int, block_done: bool) -> None:
         request.policy_state.cache.update(masked_before,
                                           request.canvas.masked(self.mask_token_id))

@@ -44,13 +44,15 @@ from typing import Any, ClassVar
 
 import torch
 
-from vllm_diffusion.capabilities import PolicyTraits
+from vllm_diffusion.capabilities import ModelCapabilities, PolicyTraits
 from vllm_diffusion.kernels.sparse_prefix import KeptKV
 from vllm_diffusion.options import OptionError, Rule, option, option_value
+from vllm_diffusion.policies.base import BlockStart
 from vllm_diffusion.policies.parts.strategy_unmasking import StrategyPolicy
 from vllm_diffusion.policies.parts.strategy_config import StrategyConfig
 from vllm_diffusion.step.hooks import ForwardStep, LayerHooks, StepHooks
 from vllm_diffusion.step.keys import KeyScoring, KeySelection, RowSplit, SelectedPrefix
+from vllm_diffusion.step.plans import WHOLE_BLOCK, BlockStepPlan
 from vllm_diffusion.step.request import DiffusionRequest
 
 
@@ -161,7 +163,8 @@ class SparsePrefixPolicy(StrategyPolicy[SparsePrefixConfig, SparsePrefixState]):
         self.num_layers = 0
         self.num_kv_heads = 0
 
-    def bind_model(self, hf_config: Any, prefix_caching: bool) -> None:
+    def bind(self, model: ModelCapabilities, hf_config: Any, prefix_caching: bool) -> None:
+        super().bind(model, hf_config, prefix_caching)
         self.num_layers = hf_config.num_hidden_layers
         self.num_kv_heads = getattr(hf_config, "num_key_value_heads",
                                     hf_config.num_attention_heads)
@@ -169,12 +172,14 @@ class SparsePrefixPolicy(StrategyPolicy[SparsePrefixConfig, SparsePrefixState]):
     def new_state(self, config: SparsePrefixConfig) -> SparsePrefixState:
         return SparsePrefixState()
 
-    def start_block(self, request: SparsePrefixRequest, resumed: bool) -> None:
+    def plan_step(self, request: SparsePrefixRequest, start: BlockStart) -> BlockStepPlan:
         # The kept lists index context positions, whose KV a preemption recomputes: a
         # resumed block keeps them and reads their KV anew.
-        if not resumed:
+        if start == "new":
             request.policy_state.kept = None
-        request.policy_state.forget_kv(self.num_layers)
+        if start is not None:
+            request.policy_state.forget_kv(self.num_layers)
+        return WHOLE_BLOCK
 
     def forward_hooks(self, step: ForwardStep) -> StepHooks | None:
         scoring, sparse = [], []
@@ -209,5 +214,7 @@ class SparsePrefixPolicy(StrategyPolicy[SparsePrefixConfig, SparsePrefixState]):
 
         return max(1, self.num_kv_heads // get_tensor_model_parallel_world_size())
 
-    def on_block_complete(self, request: SparsePrefixRequest) -> None:
-        request.policy_state.kept = request.policy_state.kept_kv = None
+    def after_step(self, request: SparsePrefixRequest, masked_before: torch.Tensor,
+                   computed: torch.Tensor, num_decoded: int, block_done: bool) -> None:
+        if block_done:
+            request.policy_state.kept = request.policy_state.kept_kv = None

@@ -13,6 +13,7 @@ import torch
 
 from vllm_diffusion.capabilities import PolicyTraits
 from vllm_diffusion.options import OptionError, Rule, option, option_value
+from vllm_diffusion.policies.base import BlockStart
 from vllm_diffusion.policies.parts.chunk_window import ChunkConfig, ChunkWindow
 from vllm_diffusion.policies.parts.strategy_unmasking import StrategyPolicy
 from vllm_diffusion.policies.parts.sub_block_cache import SubBlockCache
@@ -72,14 +73,12 @@ class StandardPolicy(StrategyPolicy[StandardConfig, StandardState]):
     def new_state(self, config: StandardConfig) -> StandardState:
         return StandardState(ChunkWindow(self.block_size), SubBlockCache(self.block_size))
 
-    def start_block(self, request: DiffusionRequest[StandardConfig, StandardState],
-                    resumed: bool) -> None:
-        request.policy_state.window.start_block()
-        request.policy_state.sub_blocks.start_block()
-
-    def plan_step(self, request: DiffusionRequest[StandardConfig, StandardState]
-                  ) -> BlockStepPlan:
+    def plan_step(self, request: DiffusionRequest[StandardConfig, StandardState],
+                  start: BlockStart) -> BlockStepPlan:
         config, state = request.policy_config, request.policy_state
+        if start is not None:
+            state.window.start_block()
+            state.sub_blocks.start_block()
         if config.sub_block_cache:
             return state.sub_blocks.plan(request.canvas, self.mask_token_id,
                                          config.sub_block_size)
@@ -88,7 +87,7 @@ class StandardPolicy(StrategyPolicy[StandardConfig, StandardState]):
 
     def after_step(self, request: DiffusionRequest[StandardConfig, StandardState],
                    masked_before: torch.Tensor, computed: torch.Tensor,
-                   num_decoded: int) -> None:
+                   num_decoded: int, block_done: bool) -> None:
         config, state = request.policy_config, request.policy_state
         if config.sub_block_cache:
             state.sub_blocks.after_step(computed)

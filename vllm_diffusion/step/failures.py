@@ -92,7 +92,7 @@ def count_progress(request: Any, progressed: bool, limit: int,
     """After one of the request's denoising steps (``request``: its ``DiffusionRequest``):
     raise ``NoProgress`` once it has written no token and ended no block for ``limit``
     consecutive steps. A step its commit schedule left empty by design
-    (``scheduled_idle``, ``BlockUnmasking.scheduled_idle``) neither counts nor resets:
+    (``scheduled_idle``, ``StepDecision.idle``) neither counts nor resets:
     the schedule itself bounds such steps."""
     if progressed:
         request.steps_without_progress = 0

@@ -47,7 +47,7 @@ class BlockCanvas:
         # last changed it (``worker/logprobs.py``); None unless the request asks for them
         self.logprobs: torch.Tensor | None = None
         # the state a policy's block rewriting keeps for the block (where the model's edits
-        # move tokens: ``BlockUnmasking.rewrite_block``), or None
+        # move tokens: ``policies/parts/strategy_unmasking.py``), or None
         self.rewrite_state: Any = None
         # The block ended on a step that computed all of it and changed nothing (a stable
         # end of token editing): that forward's KV is the committed KV, its commit reuses it

@@ -1,7 +1,8 @@
-"""What a step does to its blocks once their proposals are made: the policy decides the
-commits and edits of every block at once (``decide``), each block's canvas takes them and
-emits its newly final tokens (``apply``); blocks whose tokens move are rewritten by the
-policy one at a time instead (``rewrite``).
+"""What a step does to its blocks once their proposals are made: the policy decides what
+changes in every block at once (``decide``: a ``StepDecision``, then held within the
+requests' grammars and bad words), and each block's canvas takes it and emits its newly
+final tokens (``apply``): its commits and edits, or, where the model's edits move tokens,
+its rewriting.
 
 ``ProposedBlocks`` is the step's proposals as the runner made them: [R, B] grids over the
 R denoised blocks (host tensors), with each block's request and vLLM state and the blocks
@@ -17,14 +18,15 @@ from typing import Any
 import torch
 
 from vllm_diffusion.policies.base import DecodingPolicy
+from vllm_diffusion.policies.rules.token_editing import block_ends
 from vllm_diffusion.step.failures import count_progress
-from vllm_diffusion.step.plans import CommitBatch, EditBatch
+from vllm_diffusion.step.plans import StepBlocks, StepDecision
 from vllm_diffusion.step.request import DiffusionRequest
 from vllm_diffusion.worker.bad_words import undo_completed_words
 from vllm_diffusion.worker.constraints import position_rules
 from vllm_diffusion.worker.grammar import GrammarCompiler, GrammarStep, advance
 from vllm_diffusion.worker.logprobs import asked_count, own_columns, wants_logprobs
-from vllm_diffusion.worker.outputs import DiffusionStats, EmittedTokens, StepDecisions
+from vllm_diffusion.worker.outputs import DiffusionStats, EmittedTokens
 from vllm_diffusion.worker.proposal_grid import ProposalGrid
 from vllm_diffusion.worker.row_context import RowContext
 from vllm_diffusion.worker.sampling import ROW_VALID
@@ -54,6 +56,26 @@ class ProposedBlocks:
         return [b.rows.req_id for b in self.blocks]
 
 
+@dataclasses.dataclass
+class BlockChanges:
+    """The policy's decision for the step's R blocks (``decision``), held within the
+    requests' grammars and bad words: [R, B] tensors (host) and their per-block summaries
+    (all zero / empty where the decision rewrites blocks)."""
+
+    decision: StepDecision
+    commits: torch.Tensor  # [R, B] bool: positions unmasked
+    edits: torch.Tensor  # [R, B] bool: filled positions given a new token
+    tokens_after: torch.Tensor  # [R, B] int64: the blocks after commits and edits
+    num_decoded: list[int]
+    token_lists: list[list[int]]  # tokens_after as lists
+    no_mask_left: list[bool]
+    num_edited: list[int]  # filled positions given a new token, per block
+    began_unmasked: list[bool]  # the step started with no masked position
+    # the block's commit schedule left this step empty by design
+    # (``StepDecision.idle``): not a step without progress
+    scheduled_idle: list[bool]
+
+
 class BlockUpdates:
     """The block updates of one runner, with what they need of it: the mask token, the
     limit of steps without progress, its counters and grammar matchers. The policy is
@@ -67,10 +89,9 @@ class BlockUpdates:
         self.grammars = grammars
 
     def decide(self, step: ProposedBlocks, policy: DecodingPolicy,
-               failures: StepFailures) -> StepDecisions:
-        """The commits and edits of every block, by the policy's decision (one call each
-        for the whole batch), within the requests' grammars and bad words."""
-        unmasking = policy.unmasking
+               failures: StepFailures) -> BlockChanges:
+        """The policy's decision for every block (one call for the whole batch), within
+        the requests' grammars and bad words."""
         grid, grammar, masked, context = step.grid, step.grammar, step.masked, step.context
         requests, blocks = step.requests, step.blocks
         proposals, confidence = grid.tokens, grid.confidence
@@ -81,24 +102,23 @@ class BlockUpdates:
                 [b.rows.canvas for b in blocks], step.states, context.output_canvas,
                 [r.grammar is not None for r in requests]))
             failures.fail_each(step.req_ids, grammar.take_errors("walking its grammar"))
-        commit_inputs = (confidence, available)
-        if step.with_entropy:
-            commit_inputs = (*commit_inputs, grid.entropy)
-        commits = _ask_policy(unmasking.choose_commits, CommitBatch, requests,
-                              commit_inputs, failures, "choosing its commits")
-        scheduled_idle = unmasking.scheduled_idle(CommitBatch(requests, *commit_inputs))
+        tokens_before = step.tokens
+        decision = _ask_policy(policy, StepBlocks(
+            requests, confidence, available, proposals, tokens_before, usable & step.filled,
+            grid.entropy if step.with_entropy else None, grid.ranked), failures)
+        if decision.rewrites is not None:  # each block's rewriting is its own
+            none = torch.zeros_like(masked)
+            return BlockChanges(decision, none, none, tokens_before, [], [], [], [], [], [])
+        commits = decision.commits
+        scheduled_idle = [decision.is_idle(i) for i in range(len(blocks))]
         forced = [b.rows.commit_candidates for b in blocks]  # ``RequestRows``
         if any(forced):
             commits = commits | (available & torch.tensor(forced)[:, None])
             scheduled_idle = [idle and not f for idle, f in zip(scheduled_idle, forced)]
         if grammar.active:
             grammar.include_first(commits)
-        tokens_before = step.tokens
         tokens_after = torch.where(commits, proposals, tokens_before)
-        filled = usable & step.filled
-        edits = _ask_policy(unmasking.choose_edits, EditBatch, requests,
-                            (confidence, proposals, tokens_before, filled), failures,
-                            "choosing its edits")
+        edits = decision.edits
         if edits is not None:
             tokens_after = torch.where(edits, proposals, tokens_after)
         else:
@@ -114,92 +134,87 @@ class BlockUpdates:
             tokens_after = torch.where(commits | edits, proposals, tokens_before)
         # the per-block counts from one host list each (a few values per block)
         token_lists = tokens_after.tolist()
-        return StepDecisions(commits, edits, tokens_after, masked, grid.computed,
-                             [sum(row) for row in commits.tolist()], token_lists,
-                             [self.mask_token_id not in row for row in token_lists],
-                             [sum(row) for row in edits.tolist()],
-                             [not any(row) for row in masked.tolist()], scheduled_idle)
+        return BlockChanges(decision, commits, edits, tokens_after,
+                            [sum(row) for row in commits.tolist()], token_lists,
+                            [self.mask_token_id not in row for row in token_lists],
+                            [sum(row) for row in edits.tolist()],
+                            [not any(row) for row in masked.tolist()], scheduled_idle)
 
-    def apply(self, step: ProposedBlocks, decisions: StepDecisions, policy: DecodingPolicy,
+    def apply(self, step: ProposedBlocks, changes: BlockChanges, policy: DecodingPolicy,
               failures: StepFailures) -> dict[str, EmittedTokens]:
-        """Each block takes its commits and edits; returns what each request emits."""
+        """Each block takes its changes; returns what each request emits."""
         emitted: dict[str, EmittedTokens] = {}
         logprobs = step.grid.logprobs
+        rewrites = changes.decision.rewrites
         for i, (block, state) in enumerate(zip(step.blocks, step.states)):
             req_id, params = block.rows.req_id, state.sampling_params
             if req_id in failures:
                 continue
-            with failures.isolated(req_id, "unmasking its block"):
-                emitted[req_id] = self._unmask(
-                    policy, block, state, decisions, i,
-                    None if logprobs is None or not wants_logprobs(params)
-                    else own_columns(logprobs[i], asked_count(params)))
+            with failures.isolated(req_id, "taking its step"):
+                if rewrites is not None:
+                    emitted[req_id] = self._rewrite(policy, step, changes.decision, i)
+                else:
+                    emitted[req_id] = self._unmask(
+                        policy, step, changes, i,
+                        None if logprobs is None or not wants_logprobs(params)
+                        else own_columns(logprobs[i], asked_count(params)))
         return emitted
 
-    def rewrite(self, step: ProposedBlocks, policy: DecodingPolicy, failures: StepFailures
-                ) -> dict[str, EmittedTokens]:
-        """A step of blocks whose tokens may move (``unmasking.rewrite_block``), each block
-        alone; its proposals and confidence [R, B], ranked [R, B, r], computed whole."""
-        emitted: dict[str, EmittedTokens] = {}
-        grid, stats = step.grid, self.stats
-        for i, (block, state) in enumerate(zip(step.blocks, step.states)):
-            req_id = block.rows.req_id
-            if req_id in failures:
-                continue
-            with failures.isolated(req_id, "rewriting its block"):
-                request, canvas = block.rows.request, block.rows.canvas
-                masked, old = step.masked[i], step.tokens[i]
-                rewritten = policy.unmasking.rewrite_block(request, old, grid.tokens[i],
-                                                           grid.confidence[i], grid.ranked[i])
-                canvas.commit(rewritten.changed, rewritten.tokens_written,
-                              began_unmasked=not bool(masked.any()))
-                canvas.rearrange(rewritten.source, rewritten.tokens)
-                canvas.final_kv = rewritten.ended and torch.equal(rewritten.tokens, old)
-                stats.tokens_deleted += rewritten.deletions
-                stats.tokens_split += rewritten.splits
-                moved = rewritten.deletions + rewritten.splits
-                emitted[req_id] = self._finish_step(
-                    policy, block, state, rewritten.ended, masked, grid.computed[i],
-                    int((rewritten.changed & masked).sum()),
-                    int((rewritten.changed & ~masked).sum()) + moved,
-                    canvas.tokens.tolist(), scheduled_idle=False)
-        return emitted
+    def _rewrite(self, policy: DecodingPolicy, step: ProposedBlocks,
+                 decision: StepDecision, i: int) -> EmittedTokens:
+        """Block ``i`` takes its rewriting (``decision.rewrites[i]``, a ``JointStep``)."""
+        block, state, stats = step.blocks[i], step.states[i], self.stats
+        canvas = block.rows.canvas
+        masked, old = step.masked[i], step.tokens[i]
+        rewritten = decision.rewrites[i]
+        canvas.commit(rewritten.changed, rewritten.tokens_written,
+                      began_unmasked=not bool(masked.any()))
+        canvas.rearrange(rewritten.source, rewritten.tokens)
+        canvas.final_kv = rewritten.ended and torch.equal(rewritten.tokens, old)
+        stats.tokens_deleted += rewritten.deletions
+        stats.tokens_split += rewritten.splits
+        moved = rewritten.deletions + rewritten.splits
+        return self._finish_step(
+            policy, block, state, rewritten.ended, masked, step.grid.computed[i],
+            int((rewritten.changed & masked).sum()),
+            int((rewritten.changed & ~masked).sum()) + moved,
+            canvas.tokens.tolist(), scheduled_idle=False, final_when_filled=False)
 
-    def _unmask(self, policy: DecodingPolicy, block: DenoisedBlock, state: Any,
-                decisions: StepDecisions, i: int,
-                logprobs: torch.Tensor | None) -> EmittedTokens:
+    def _unmask(self, policy: DecodingPolicy, step: ProposedBlocks, changes: BlockChanges,
+                i: int, logprobs: torch.Tensor | None) -> EmittedTokens:
         """Block ``i`` takes its commits and edits. ``logprobs``: [B, C] the logprob
         columns of its positions this step (None: not asked for)."""
-        request, canvas = block.rows.request, block.rows.canvas
-        changed = decisions.commits[i] | decisions.edits[i]
-        canvas.commit(changed, decisions.tokens_after[i],
-                      began_unmasked=decisions.began_unmasked[i], logprobs=logprobs)
-        block_done = (decisions.no_mask_left[i]
-                      and policy.unmasking.block_ends(request, decisions.num_edited[i] > 0,
-                                                      decisions.began_unmasked[i]))
-        canvas.final_kv = (block_done and not (decisions.num_decoded[i]
-                                               or decisions.num_edited[i])
-                           and bool(decisions.computed[i].all()))
-        return self._finish_step(policy, block, state, block_done, decisions.masked[i],
-                                 decisions.computed[i], decisions.num_decoded[i],
-                                 decisions.num_edited[i], decisions.token_lists[i],
-                                 decisions.scheduled_idle[i])
+        block, state = step.blocks[i], step.states[i]
+        canvas, computed = block.rows.canvas, step.grid.computed[i]
+        changed = changes.commits[i] | changes.edits[i]
+        canvas.commit(changed, changes.tokens_after[i],
+                      began_unmasked=changes.began_unmasked[i], logprobs=logprobs)
+        post_steps = changes.decision.post_steps_of(i)
+        block_done = changes.no_mask_left[i] and block_ends(
+            post_steps, changes.num_edited[i] > 0, changes.began_unmasked[i],
+            canvas.post_steps)
+        canvas.final_kv = (block_done and not (changes.num_decoded[i]
+                                               or changes.num_edited[i])
+                           and bool(computed.all()))
+        return self._finish_step(policy, block, state, block_done, step.masked[i], computed,
+                                 changes.num_decoded[i], changes.num_edited[i],
+                                 changes.token_lists[i], changes.scheduled_idle[i],
+                                 final_when_filled=post_steps is None)
 
     def _finish_step(self, policy: DecodingPolicy, block: DenoisedBlock, state: Any,
                      block_done: bool,
                      masked: torch.Tensor, computed: torch.Tensor, num_decoded: int,
-                     num_edited: int, tokens: list[int],
-                     scheduled_idle: bool) -> EmittedTokens:
+                     num_edited: int, tokens: list[int], scheduled_idle: bool,
+                     final_when_filled: bool) -> EmittedTokens:
         """After a block's step (its canvas updated): tell the policy, emit the newly
         final tokens (``tokens``: the block now; the decoded run after the known tokens,
-        or, while its tokens may still change, nothing until the block ends), count
-        (``scheduled_idle``: the block's schedule left the step empty by design)."""
+        or, where its tokens may still change (not ``final_when_filled``), nothing until
+        the block ends), count (``scheduled_idle``: the block's schedule left the step
+        empty by design)."""
         request, canvas = block.rows.request, block.rows.canvas
-        policy.after_step(request, masked, computed, num_decoded)
-        if block_done:
-            policy.on_block_complete(request)
+        policy.after_step(request, masked, computed, num_decoded, block_done)
         num_known = len(state.prompt_token_ids) + len(state.output_token_ids)
-        if not block_done and policy.unmasking.edits_tokens(request):
+        if not block_done and not final_when_filled:
             decoded = []
         else:
             decoded = emit_final_tokens(tokens, canvas.start, num_known, self.mask_token_id)
@@ -227,19 +242,18 @@ class BlockUpdates:
             list(request.step_map) if request.wants_step_map else None)
 
 
-def _ask_policy(method, batch_cls, requests: list[DiffusionRequest],
-                tensors: tuple[torch.Tensor, ...], failures: StepFailures, doing: str):
-    """``method(batch_cls(requests, *tensors))`` for all blocks at once ([R, B] bool or
-    None); if it raises, each block is asked alone so that only the request it fails for
-    is finished (its row is then all False)."""
+def _ask_policy(policy: DecodingPolicy, blocks: StepBlocks,
+                failures: StepFailures) -> StepDecision:
+    """``policy.decide(blocks)`` for all blocks at once; if it raises, each block is asked
+    alone so that only the request it fails for is finished (its block then unchanged)."""
     try:
-        return method(batch_cls(requests, *tensors))
+        return policy.decide(blocks)
     except Exception:  # noqa: BLE001 - narrowed to the failing requests below
-        rows = []
-        for i, request in enumerate(requests):
-            row = None
-            with failures.isolated(request.req_id, doing):
-                row = method(batch_cls([request], *(t[i:i + 1] for t in tensors)))
-            rows.append(torch.zeros(tensors[0][i].shape, dtype=torch.bool)
-                        if row is None else row[0])
-        return torch.stack(rows)
+        parts = []
+        for i, request in enumerate(blocks.requests):
+            alone = blocks.rows([i])
+            part = None
+            with failures.isolated(request.req_id, "deciding its step"):
+                part = policy.decide(alone)
+            parts.append(StepDecision.nothing(alone) if part is None else part)
+        return StepDecision.stack(parts)

@@ -64,9 +64,8 @@ def plan_canvas_request(req_id: str, token_ids: KnownTokens, num_computed: int,
         # refresh computes: refresh again where the last one's commit was undone (a bad
         # word, a grammar) or its row was not usable.
         refresh = True
-    if refresh:
-        policy.start_block(request, resumed=canvas is previous)
-    plan = policy.plan_step(request)
+    plan = policy.plan_step(request, (("resumed" if canvas is previous else "new")
+                                      if refresh else None))
     if plan.compute is not None or plan.key_end is not None:
         raise RuntimeError(f"the {policy.name} policy planned part of a block of a "
                            f"full-attention model (its traits should have refused it)")

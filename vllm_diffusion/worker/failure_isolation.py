@@ -1,7 +1,7 @@
 """The requests whose host-side work fails in a step: each is finished alone, with an
 error, while the others continue.
 
-A step's planning, proposals, grammar walk, commit choice and unmasking run per request
+A step's planning, proposals, grammar walk, decision and its application run per request
 or per batch; ``StepFailures`` records the first failure of each request this step as
 its ``stop_reason`` (``step.failures.Failure``), which the scheduler turns into an error
 output, and forgets the request's diffusion state.

@@ -1,5 +1,5 @@
-"""What one diffusion step returns to the scheduler, in declared fields, and what its
-unmasking decided per block (``StepDecisions``, ``EmittedTokens``).
+"""What one diffusion step returns to the scheduler, in declared fields, and what each of
+its requests emits (``EmittedTokens``).
 
 ``DiffusionRunnerOutput`` extends vLLM's ``ModelRunnerOutput`` (a dataclass the executor
 pickles across processes as it is) with the per-step diffusion results. The scheduler
@@ -101,23 +101,3 @@ class EmittedTokens:
     tokens: list[int]  # newly final tokens
     logprobs: torch.Tensor | None  # [len(tokens), 2 + 2k] logprob columns, if asked for
     step_map: list[int] | None  # the step map so far, if asked for
-
-
-@dataclasses.dataclass
-class StepDecisions:
-    """What the step decided for its R denoised blocks: [R, B] tensors (host) and their
-    per-block summaries."""
-
-    commits: torch.Tensor  # [R, B] bool: positions unmasked
-    edits: torch.Tensor  # [R, B] bool: filled positions given a new token
-    tokens_after: torch.Tensor  # [R, B] int64: the blocks after commits and edits
-    masked: torch.Tensor  # [R, B] bool: masked before the step
-    computed: torch.Tensor  # [R, B] bool: positions that went through every layer
-    num_decoded: list[int]
-    token_lists: list[list[int]]  # tokens_after as lists
-    no_mask_left: list[bool]
-    num_edited: list[int]  # filled positions given a new token, per block
-    began_unmasked: list[bool]  # the step started with no masked position
-    # the block's commit schedule left this step empty by design
-    # (``BlockUnmasking.scheduled_idle``): not a step without progress
-    scheduled_idle: list[bool]

@@ -20,8 +20,7 @@ The stages run in vLLM's sampler order, each a named slot (``STAGES``):
    filtered and drawn with the request's generator (confidence: the drawn token's
    probability in that distribution, or its largest probability where the policy's
    ``confidence_rule`` says ``max_probability``)
-9. ``commit_choice``      -- ``policy.unmasking.choose_commits`` over the proposals (the
-                             runner)
+9. ``commit_choice``      -- ``policy.decide`` over the proposals (the runner)
 
 A logit stage edits ``ProposalBatch.logits`` in place for the rows it concerns. A slot
 without a stage (``LOGIT_STAGES[name] is None``) does not run, and the request admission

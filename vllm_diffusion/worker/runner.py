@@ -12,8 +12,9 @@ input preparation and sampling with the block-diffusion step:
 - propose: tokens for the block positions that reached the last layer, within each
   request's constraints (``proposal.py``), as [R, B] grids; the blocks themselves are
   read as one index of the slots' [S, B] tensors by the blocks' slots;
-- decide: the policy's decision (``policy.unmasking``): the commits and edits of all
-  blocks at once, or its rewriting of blocks whose tokens move (``block_updates.py``);
+- decide: the policy's decision for all blocks at once (``policy.decide``: commits and
+  edits, or the rewriting of blocks whose tokens move), held within the requests'
+  grammars and bad words, and applied to each block (``block_updates.py``);
 - emit: each block's newly final tokens, as this step's output.
 
 A request whose host-side work fails is finished alone with an error
@@ -72,7 +73,7 @@ class DiffusionRunnerMixin:
             chunk_rows(self.diffusion.logits_memory_mib,
                        self.vllm_config.model_config.get_vocab_size()),
             self.vllm_config.model_config.logprobs_mode,
-            ranked=self.policy.unmasking.ranked_proposals())
+            ranked=self.policy.proposal_ranks)
         self.diffusion_requests: dict[str, DiffusionRequest] = {}
         # every live request's current block, one row per slot (grown past max_num_seqs
         # when preempted requests hold slots too)
@@ -124,6 +125,7 @@ class DiffusionRunnerMixin:
         rows = self._prepare(req_ids, scheduler_output, failures)
         emitted: dict[str, EmittedTokens] = {}
         layer_rows: list[int] = []
+        chunk = None  # the chunk size the policy chose for the step, where it chooses one
         computed = [r for r in rows if r.positions]  # a part-scheduled sequence waits
         if computed:
             step = gather_step(computed, self.device)
@@ -135,13 +137,12 @@ class DiffusionRunnerMixin:
                 self.model, computed, step, self.policy.forward_hooks(step),
                 [self.requests[r.req_id].block_ids[0] for r in computed])
             proposed = self._propose(computed, step, hidden_states, out_rows, failures)
-            if proposed is not None and proposed.grid.ranked is not None:
-                emitted = self.updates.rewrite(proposed, self.policy, failures)  # tokens move
-            elif proposed is not None:
-                decisions = self.updates.decide(proposed, self.policy, failures)
-                emitted = self.updates.apply(proposed, decisions, self.policy, failures)
+            if proposed is not None:
+                changes = self.updates.decide(proposed, self.policy, failures)
+                emitted = self.updates.apply(proposed, changes, self.policy, failures)
+                chunk = changes.decision.chunk
         stats.engine_steps += 1
-        return self._output(req_ids, rows, emitted, layer_rows, before, failures)
+        return self._output(req_ids, rows, emitted, layer_rows, before, failures, chunk)
 
     def _prepare(self, req_ids: list[str], scheduler_output: Any,
                  failures: StepFailures) -> list[RequestRows]:
@@ -203,7 +204,7 @@ class DiffusionRunnerMixin:
                   else s.sampling_params for b, s in zip(blocks, states)]
         context = RowContext.of([b.rows.canvas for b in blocks], states, where, mask_id)
         requests = [b.rows.request for b in blocks]
-        with_entropy = self.policy.unmasking.wants_entropy(requests)
+        with_entropy = any(r.policy_config.needs_entropy for r in requests)
         slots = slot_index(requests)  # [R]
         tokens = self.block_slots.tokens[slots]  # [R, B] the blocks before the step
         masked = tokens == mask_id
@@ -233,7 +234,8 @@ class DiffusionRunnerMixin:
 
     def _output(self, req_ids: list[str], rows: list[RequestRows],
                 emitted: dict[str, EmittedTokens], layer_rows: list[int],
-                before: DiffusionStats, failures: StepFailures) -> DiffusionRunnerOutput:
+                before: DiffusionStats, failures: StepFailures,
+                chunk: int | None) -> DiffusionRunnerOutput:
         """The step's output: each request's newly final tokens, and this step's counts
         (the counters' change since ``before``)."""
         stats, failed = self.diffusion_stats, failures.reasons
@@ -257,7 +259,7 @@ class DiffusionRunnerMixin:
                 layer_positions=tuple(layer_rows),
                 matcher_fills=stats.grammar_fills - before.grammar_fills,
                 matcher_accepts=stats.grammar_accepts - before.grammar_accepts,
-                chosen_chunk=(self.policy.chosen_chunk() or 0) if rows else 0,
+                chosen_chunk=chunk or 0,
                 token_edits=(stats.tokens_edited - before.tokens_edited - deleted - split,
                              deleted, split)),
             committed_prefix={r.req_id: r.committed for r in rows if r.req_id not in failed},

@@ -99,9 +99,7 @@ def plan_request(req_id: str, token_ids: KnownTokens | list[int], num_computed: 
     # Recomputing the committed prefix of the same block (a resumed preemption) means the
     # block's KV pages were freed.
     kv_lost = resumed or num_computed < block_start
-    if new_block or kv_lost:
-        policy.start_block(request, resumed=not new_block)
-    plan = policy.plan_step(request)
+    plan = policy.plan_step(request, "new" if new_block else "resumed" if kv_lost else None)
     commit = list(range(num_computed, block_start))
     commit_tokens = token_ids[num_computed:block_start]
     commits_previous = (len(commit) == block_size and previous is not None

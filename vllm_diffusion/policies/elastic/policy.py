@@ -72,7 +72,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from vllm_diffusion.capabilities import PolicyTraits
+from vllm_diffusion.capabilities import ModelCapabilities, PolicyTraits
 from vllm_diffusion.options import Rule, option
 from vllm_diffusion.policies.elastic.chunk_statistics import (
     ChunkStatistics,
@@ -80,12 +80,13 @@ from vllm_diffusion.policies.elastic.chunk_statistics import (
     chunk_candidates,
     stage_of,
 )
+from vllm_diffusion.policies.base import BlockStart
 from vllm_diffusion.policies.parts.chunk_window import ChunkConfig, ChunkWindow
 from vllm_diffusion.policies.elastic.latency_model import (LatencyProfile, OnlineLatency,
                                                            model_identity)
 from vllm_diffusion.policies.parts.strategy_unmasking import StrategyPolicy
 from vllm_diffusion.step.hooks import ForwardStep
-from vllm_diffusion.step.plans import BlockStepPlan
+from vllm_diffusion.step.plans import BlockStepPlan, StepBlocks, StepDecision
 from vllm_diffusion.step.request import DiffusionRequest
 
 
@@ -139,7 +140,8 @@ class ElasticPolicy(StrategyPolicy[ElasticConfig, ChunkWindow]):
         self.records: list[StepRecord] = []  # request-steps since the statistics learned
         self.estimates: dict[int, dict[int, tuple[float, float]]] = {}  # per stage, cached
 
-    def bind_model(self, hf_config: Any, prefix_caching: bool) -> None:
+    def bind(self, model: ModelCapabilities, hf_config: Any, prefix_caching: bool) -> None:
+        super().bind(model, hf_config, prefix_caching)
         path = self.engine_config.latency_profile
         warm = LatencyProfile.load(path, hf_config) if path is not None else None
         self.latency = OnlineLatency(model_identity(hf_config), warm_start=warm)
@@ -206,10 +208,9 @@ class ElasticPolicy(StrategyPolicy[ElasticConfig, ChunkWindow]):
         counts = iter(m or self.block_size for m in masked)
         return [self.block_size if r.canvas is None else next(counts) for r in requests]
 
-    def start_block(self, request: ElasticRequest, resumed: bool) -> None:
-        request.policy_state.start_block()
-
-    def plan_step(self, request: ElasticRequest) -> BlockStepPlan:
+    def plan_step(self, request: ElasticRequest, start: BlockStart) -> BlockStepPlan:
+        if start is not None:
+            request.policy_state.start_block()
         # a request's own chunk_size pins its chunk (its output then ignores the load)
         chunk = (request.policy_config.chunk_size or self.explored.get(request.req_id)
                  or self.step_chunk)
@@ -223,8 +224,11 @@ class ElasticPolicy(StrategyPolicy[ElasticConfig, ChunkWindow]):
         self.step_rows = step.num_rows
         return None
 
+    def decide(self, blocks: StepBlocks) -> StepDecision:
+        return dataclasses.replace(super().decide(blocks), chunk=self.step_chunk)
+
     def after_step(self, request: ElasticRequest, masked_before: torch.Tensor,
-                   computed: torch.Tensor, num_decoded: int) -> None:
+                   computed: torch.Tensor, num_decoded: int, block_done: bool) -> None:
         state = request.policy_state
         state.after_step(masked_before, computed, request.policy_config.chunk_reuse,
                          self.model.shifted_logits)
@@ -233,9 +237,6 @@ class ElasticPolicy(StrategyPolicy[ElasticConfig, ChunkWindow]):
                                        canvas.start, request.bounds,
                                        state.chunk or self.block_size,
                                        request.policy_config.chunk_reuse))
-
-    def chosen_chunk(self) -> int | None:
-        return self.step_chunk
 
     def counters(self) -> dict[str, Any]:
         return {"elastic_chunk_steps": dict(sorted(self.chosen.items())),

@@ -81,14 +81,15 @@ from typing import Any, ClassVar
 
 import torch
 
-from vllm_diffusion.capabilities import PolicyTraits
+from vllm_diffusion.capabilities import ModelCapabilities, PolicyTraits
 from vllm_diffusion.options import OptionError, Rule, option, option_value
-from vllm_diffusion.policies.es.state import EsSlotState, EsState, EsUnmasking
+from vllm_diffusion.policies.base import BlockStart
+from vllm_diffusion.policies.es.state import EsSlotState, EsState
 from vllm_diffusion.policies.parts.strategy_unmasking import StrategyPolicy
 from vllm_diffusion.policies.parts.strategy_config import StrategyConfig
 from vllm_diffusion.step.hooks import (ForwardStep, LayerHooks, LayerInput, RowSelection,
                                        StepHooks)
-from vllm_diffusion.step.plans import WHOLE_BLOCK, BlockStepPlan
+from vllm_diffusion.step.plans import WHOLE_BLOCK, BlockStepPlan, StepBlocks, StepDecision
 from vllm_diffusion.step.request import DiffusionRequest
 from vllm_diffusion.step.slots import block_tokens, slot_index
 
@@ -310,7 +311,8 @@ class EsPolicy(StrategyPolicy[EsConfig, EsState]):
         self.skip_layers: tuple[int, ...] = engine_config.skip_layers or ()
         self.slot_state = EsSlotState(block_size)
 
-    def bind_model(self, hf_config: Any, prefix_caching: bool) -> None:
+    def bind(self, model: ModelCapabilities, hf_config: Any, prefix_caching: bool) -> None:
+        super().bind(model, hf_config, prefix_caching)
         num_layers = hf_config.num_hidden_layers
         layers = self.engine_config.skip_layers
         if layers is None:
@@ -328,16 +330,15 @@ class EsPolicy(StrategyPolicy[EsConfig, EsState]):
     def new_state(self, config: EsConfig) -> EsState:
         return EsState()
 
-    def start_block(self, request: EsRequest, resumed: bool) -> None:
-        state = request.policy_state
-        state.kv_lost = True  # a resumed block keeps its decision state; KV is recomputed
-        if not (resumed and state.started):
-            self.slot_state.start_block(request.slot)
-            state.started = state.stale_outputs = True
-            state.first_token_steps = 0
-
-    def plan_step(self, request: EsRequest) -> BlockStepPlan:
+    def plan_step(self, request: EsRequest, start: BlockStart) -> BlockStepPlan:
         state, config = request.policy_state, request.policy_config
+        if start is not None:
+            # a resumed block keeps its decision state; its KV is recomputed
+            state.kv_lost = True
+            if not (start == "resumed" and state.started):
+                self.slot_state.start_block(request.slot)
+                state.started = state.stale_outputs = True
+                state.first_token_steps = 0
         state.reads_first_token = (self.model.shifted_logits and
                                    int(request.canvas.tokens[0]) == self.mask_token_id)
         step = request.canvas.steps - state.first_token_steps  # the denoising steps
@@ -353,5 +354,9 @@ class EsPolicy(StrategyPolicy[EsConfig, EsState]):
             return None
         return EsHooks(step, self.skip_layers, self.mask_token_id, self.slot_state)
 
-    def make_unmasking(self) -> EsUnmasking:
-        return EsUnmasking(self.block_size, self.mask_token_id, self.model, self.slot_state)
+    def decide(self, blocks: StepBlocks) -> StepDecision:
+        """The rules' decision among the positions the forward did not skip; then records
+        what the next step's importance reads (``EsSlotState.record``)."""
+        decision = super().decide(blocks)
+        self.slot_state.record(blocks, decision.commits)
+        return decision

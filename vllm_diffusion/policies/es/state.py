@@ -10,9 +10,7 @@ import dataclasses
 
 import torch
 
-from vllm_diffusion.capabilities import ModelCapabilities
-from vllm_diffusion.policies.parts.strategy_unmasking import StrategyUnmasking
-from vllm_diffusion.step.plans import CommitBatch
+from vllm_diffusion.step.plans import StepBlocks
 from vllm_diffusion.step.slots import SlotTable, slot_index
 
 
@@ -63,31 +61,19 @@ class EsSlotState:
                 device=output.device)
         return table.covering(slots)
 
-
-class EsUnmasking(StrategyUnmasking):
-    """``StrategyUnmasking`` among the positions the forward did not skip, recording what
-    the next step's importance reads into the policy's ``EsSlotState``."""
-
-    def __init__(self, block_size: int, mask_token_id: int, model: ModelCapabilities,
-                 slot_state: EsSlotState) -> None:
-        super().__init__(block_size, mask_token_id, model)
-        self.slot_state = slot_state
-
-    def choose_commits(self, batch: CommitBatch) -> torch.Tensor:
-        """The strategy's commits among computed positions; then records every computed
+    def record(self, blocks: StepBlocks, commits: torch.Tensor) -> None:
+        """After a step's decision (``commits`` [R, B] bool): records every computed
         position's confidence (0 where it was already decoded, or is decoded now) and the
-        decoded positions for the next step."""
-        commits = super().choose_commits(batch)
-        slots = slot_index(batch.requests)  # [R]
-        confidence = self.slot_state.confidence.covering(slots)  # [S, B]
-        computed = batch.confidence > float("-inf")  # [R, B]
-        observed = torch.where(batch.masked & ~commits, batch.confidence, 0.0)
+        decoded positions, for the next step's importance."""
+        slots = slot_index(blocks.requests)  # [R]
+        confidence = self.confidence.covering(slots)  # [S, B]
+        computed = blocks.confidence > float("-inf")  # [R, B]
+        observed = torch.where(blocks.available & ~commits, blocks.confidence, 0.0)
         confidence[slots] = torch.where(computed, observed, confidence[slots])
-        self.slot_state.decoded_last_step.covering(slots)[slots] = commits
-        for request in batch.requests:
+        self.decoded_last_step.covering(slots)[slots] = commits
+        for request in blocks.requests:
             state = request.policy_state
             if state.reads_first_token:  # the block's rows are still to be computed
                 state.first_token_steps += 1
             else:
                 state.kv_lost = False
-        return commits

@@ -41,9 +41,10 @@ from typing import Any, ClassVar
 
 import torch
 
-from vllm_diffusion.capabilities import PolicyTraits
+from vllm_diffusion.capabilities import ModelCapabilities, PolicyTraits
 from vllm_diffusion.kernels.selection import CONTEXT_RULES
 from vllm_diffusion.options import OptionError, Rule, option, option_value
+from vllm_diffusion.policies.base import BlockStart
 from vllm_diffusion.policies.parts.block_cache import IntraBlockCache
 from vllm_diffusion.policies.focus.hooks import FocusStepHooks
 from vllm_diffusion.policies.parts.strategy_unmasking import StrategyPolicy
@@ -146,7 +147,8 @@ class FocusPolicy(StrategyPolicy[FocusConfig, FocusRequestState]):
         # layer at some step of the block (so their KV is valid at all layers)
         self.ever_processed = SlotTable((block_size,), torch.bool)
 
-    def bind_model(self, hf_config: Any, prefix_caching: bool) -> None:
+    def bind(self, model: ModelCapabilities, hf_config: Any, prefix_caching: bool) -> None:
+        super().bind(model, hf_config, prefix_caching)
         num_layers = hf_config.num_hidden_layers
         if num_layers <= self.eviction_layer:
             raise ValueError(f"the focus policy evicts after layer {self.eviction_layer} "
@@ -160,12 +162,11 @@ class FocusPolicy(StrategyPolicy[FocusConfig, FocusRequestState]):
     def new_state(self, config: FocusConfig) -> FocusRequestState:
         return FocusRequestState(self.block_size)
 
-    def start_block(self, request: FocusRequest, resumed: bool) -> None:
-        request.policy_state.start_block(resumed, request.policy_config)
-        self.ever_processed.reset(request.slot)
-
-    def plan_step(self, request: FocusRequest) -> BlockStepPlan:
+    def plan_step(self, request: FocusRequest, start: BlockStart) -> BlockStepPlan:
         state, config = request.policy_state, request.policy_config
+        if start is not None:
+            state.start_block(start == "resumed", config)
+            self.ever_processed.reset(request.slot)
         commit_recompute, state.commit_recompute = state.commit_recompute, None
         compute = state.cache.processing_set() if config.intra_block_cache else None
         if compute is None and commit_recompute is None:
@@ -180,12 +181,9 @@ class FocusPolicy(StrategyPolicy[FocusConfig, FocusRequestState]):
                               self.ever_processed)
 
     def after_step(self, request: FocusRequest, masked_before: torch.Tensor,
-                   computed: torch.Tensor, num_decoded: int) -> None:
-        request.policy_state.after_step(masked_before, computed, num_decoded,
-                                        request.policy_config)
-        self.ever_processed.covering(request.slot)[request.slot] |= computed
-
-    def on_block_complete(self, request: FocusRequest) -> None:
+                   computed: torch.Tensor, num_decoded: int, block_done: bool) -> None:
         state = request.policy_state
-        if request.policy_config.commit == "delayed":
+        state.after_step(masked_before, computed, num_decoded, request.policy_config)
+        self.ever_processed.covering(request.slot)[request.slot] |= computed
+        if block_done and request.policy_config.commit == "delayed":
             state.commit_recompute = state.cache.uncached.clone()

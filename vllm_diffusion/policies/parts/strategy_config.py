@@ -96,3 +96,7 @@ class StrategyConfig(PolicyConfig):
     def steps_for(self, block_size: int) -> int:
         return self.denoising_steps or block_size
 
+    @property
+    def needs_entropy(self) -> bool:
+        return RULES[self.strategy].needs_entropy(self)
+

@@ -1,9 +1,9 @@
-"""The decision by the unmasking rules of ``policies/rules/`` (``StrategyUnmasking``) and
-the base of the policies that decide by it (``StrategyPolicy``).
+"""The decision by the unmasking rules of ``policies/rules/`` and the base of the policies
+that decide by it (``StrategyPolicy``).
 
-``StrategyUnmasking`` commits by the request's ``strategy`` (its rule), edits filled
-tokens where a request asks for LLaDA2.1 token editing (``editing_threshold``), and,
-where the served model's edits move tokens, rewrites each block by the joint loop of
+A block commits by its request's ``strategy`` (its rule), edits filled tokens where the
+request asks for LLaDA2.1 token editing (``rules/token_editing.py``), and, where the
+served model's edits move tokens, is rewritten by the joint loop of
 ``rules/joint_editing.py``.
 """
 
@@ -16,94 +16,67 @@ from typing import Any, Generic, TypeVar
 import torch
 
 from vllm_diffusion.capabilities import ModelCapabilities, PolicyTraits
-from vllm_diffusion.policies.base import BlockUnmasking, DecodingPolicy
+from vllm_diffusion.policies.base import DecodingPolicy
 from vllm_diffusion.policies import rules
+from vllm_diffusion.policies.rules import token_editing
 from vllm_diffusion.policies.rules.joint_editing import (ALTERNATIVES, EditTokens,
-                                                         JointBlockState, JointStep, joint_step)
+                                                         JointBlockState, joint_step)
 from vllm_diffusion.policies.parts.strategy_config import StrategyConfig
-from vllm_diffusion.step.plans import CommitBatch, EditBatch
-from vllm_diffusion.step.request import DiffusionRequest
-
-StrategyRequest = DiffusionRequest[StrategyConfig, Any]
+from vllm_diffusion.step.plans import StepBlocks, StepDecision
 
 
-class StrategyUnmasking(BlockUnmasking[StrategyConfig, Any]):
-    """Commits by the blocks' rules (``rules.RULES``, batched over the step's blocks),
-    with LLaDA2.1 token editing where a request asks for it, and the rewriting loop where
-    the model's edits move tokens."""
+def strategy_decision(blocks: StepBlocks, block_size: int, mask_token_id: int,
+                      model: ModelCapabilities) -> StepDecision:
+    """The step's decision for ``blocks`` by their options: each block's rule's commits
+    (within its active sub-block where ``sub_block_size`` is set), its token edits, or,
+    where the model's edits move tokens, its rewriting."""
+    if model.moves_tokens:
+        return _rewrites(blocks, block_size, mask_token_id, model)
+    configs = [r.policy_config for r in blocks.requests]
+    rule_blocks = _rule_blocks(blocks, configs, block_size)
+    commits = rules.choose_commits(rule_blocks)
+    idle = (rules.scheduled_idle(rule_blocks)
+            if any(c.strategy in rules.SCHEDULED for c in configs) else None)
+    return StepDecision(commits, token_editing.choose_edits(
+        configs, blocks.confidence, blocks.proposals, blocks.tokens, blocks.filled),
+        idle, token_editing.post_steps(configs))
 
-    def __init__(self, block_size: int, mask_token_id: int,
-                 model: ModelCapabilities) -> None:
-        self.block_size = block_size
-        self.mask_token_id = mask_token_id
-        self.model = model  # the served model's capabilities
 
-    def ranked_proposals(self) -> int:
-        return ALTERNATIVES if self.model.moves_tokens else 0
-
-    def rewrite_block(self, request: StrategyRequest, old: torch.Tensor,
-                      proposals: torch.Tensor, confidence: torch.Tensor,
-                      ranked: torch.Tensor) -> JointStep:
+def _rewrites(blocks: StepBlocks, block_size: int, mask_token_id: int,
+              model: ModelCapabilities) -> StepDecision:
+    """One step of the joint loop on each block (each a ``JointStep``). The blocks' loop
+    states are replaced only once every block's step succeeded, so that a step asked again
+    block by block (after one of them raised) does not advance a block twice."""
+    edit = EditTokens(*model.edit_tokens)
+    states, rewrites = [], []
+    for i, request in enumerate(blocks.requests):
         canvas, config = request.canvas, request.policy_config
-        if canvas.rewrite_state is None:
-            canvas.rewrite_state = JointBlockState.start(canvas.tokens, self.mask_token_id,
-                                                 config.steps_for(self.block_size))
-        return joint_step(canvas.rewrite_state, old, proposals, confidence, ranked, canvas.steps,
-                          config, self.mask_token_id, EditTokens(*self.model.edit_tokens))
+        state = canvas.rewrite_state
+        state = (JointBlockState.start(canvas.tokens, mask_token_id,
+                                       config.steps_for(block_size)) if state is None
+                 else state.copy())
+        rewrites.append(joint_step(state, blocks.tokens[i], blocks.proposals[i],
+                                   blocks.confidence[i], blocks.ranked[i], canvas.steps,
+                                   config, mask_token_id, edit))
+        states.append(state)
+    for request, state in zip(blocks.requests, states):
+        request.canvas.rewrite_state = state
+    return StepDecision(torch.zeros_like(blocks.available), rewrites=rewrites)
 
-    def edits_tokens(self, request: StrategyRequest) -> bool:
-        return (self.model.moves_tokens
-                or request.policy_config.editing_threshold is not None)
 
-    def choose_edits(self, batch: EditBatch) -> torch.Tensor | None:
-        limits = [r.policy_config.editing_threshold for r in batch.requests]
-        if all(limit is None for limit in limits):
-            return None
-        limit = torch.tensor([float("inf") if x is None else x for x in limits])
-        return (batch.filled & (batch.proposals != batch.tokens)
-                & (batch.confidence > limit[:, None]))
-
-    def block_ends(self, request: StrategyRequest, edited: bool,
-                   began_unmasked: bool) -> bool:
-        """Without editing, as soon as no mask is left. With editing, as LLaDA2.1's loop,
-        which looks for masks at the start of each step: the step that fills the block's
-        last mask is followed by post steps (steps that begin with no mask), and the block
-        ends after a post step that edits nothing or after ``max_post_steps`` of them
-        (with 0, right after the last mask is filled)."""
-        config = request.policy_config
-        if config.editing_threshold is None:
-            return True
-        if not began_unmasked:
-            return config.max_post_steps == 0
-        return not edited or request.canvas.post_steps >= config.max_post_steps
-
-    def wants_entropy(self, requests: list[StrategyRequest]) -> bool:
-        return rules.needs_entropy([r.policy_config for r in requests])
-
-    def choose_commits(self, batch: CommitBatch) -> torch.Tensor:
-        return rules.choose_commits(self._rule_blocks(batch))
-
-    def scheduled_idle(self, batch: CommitBatch) -> list[bool]:
-        """Blocks whose rule's schedule commits nothing this step by design
-        (``CommitRule.idle``: Dream's timesteps)."""
-        if not any(r.policy_config.strategy in rules.SCHEDULED for r in batch.requests):
-            return [False] * len(batch.requests)  # the common step: nothing built
-        return rules.scheduled_idle(self._rule_blocks(batch))
-
-    def _rule_blocks(self, batch: CommitBatch) -> rules.RuleBlocks:
-        """The step's blocks as the rules see them: each block's candidates are its
-        computed masks, within its active sub-block where ``sub_block_size`` is set."""
-        configs = [r.policy_config for r in batch.requests]
-        sizes = [c.sub_block_size for c in configs]
-        candidates = batch.masked
-        if any(size is not None for size in sizes):
-            candidates = _active_sub_block(batch.masked, torch.tensor(
-                [self.block_size if size is None else size for size in sizes],
-                dtype=torch.long))
-        return rules.RuleBlocks(batch.confidence, candidates,
-                                [r.canvas.steps for r in batch.requests],
-                                [c.steps_for(self.block_size) for c in configs], configs,
-                                batch.entropy)
+def _rule_blocks(blocks: StepBlocks, configs: list[StrategyConfig],
+                 block_size: int) -> rules.RuleBlocks:
+    """The step's blocks as the rules see them: each block's candidates are its available
+    masks, within its active sub-block where ``sub_block_size`` is set."""
+    sizes = [c.sub_block_size for c in configs]
+    candidates = blocks.available
+    if any(size is not None for size in sizes):
+        candidates = _active_sub_block(blocks.available, torch.tensor(
+            [block_size if size is None else size for size in sizes], dtype=torch.long))
+    return rules.RuleBlocks(blocks.confidence, candidates,
+                            [r.canvas.steps for r in blocks.requests],
+                            [c.steps_for(block_size) for c in configs], configs,
+                            blocks.entropy)
 
 
 def _active_sub_block(masked: torch.Tensor, sub_block_size: torch.Tensor) -> torch.Tensor:
@@ -123,8 +96,8 @@ StateT = TypeVar("StateT")
 
 class StrategyPolicy(DecodingPolicy[StrategyConfigT, StateT],
                      Generic[StrategyConfigT, StateT]):
-    """Base of the policies that decide by ``StrategyUnmasking`` (what to compute is each
-    policy's own)."""
+    """Base of the policies that decide by the rules (``strategy_decision``; what to
+    compute is each policy's own)."""
 
     @classmethod
     def traits(cls, options: Mapping[str, Any]) -> PolicyTraits:
@@ -136,5 +109,9 @@ class StrategyPolicy(DecodingPolicy[StrategyConfigT, StateT],
             "option 'strategy': the rewriting loop unmasks by its own rule (its threshold "
             "and quota schedule); remove it"))
 
-    def make_unmasking(self) -> StrategyUnmasking:
-        return StrategyUnmasking(self.block_size, self.mask_token_id, self.model)
+    def bind(self, model: ModelCapabilities, hf_config: Any, prefix_caching: bool) -> None:
+        super().bind(model, hf_config, prefix_caching)
+        self.proposal_ranks = ALTERNATIVES if model.moves_tokens else 0
+
+    def decide(self, blocks: StepBlocks) -> StepDecision:
+        return strategy_decision(blocks, self.block_size, self.mask_token_id, self.model)

@@ -22,8 +22,6 @@ step's blocks, each by its own rule (one call per rule followed). Token editing
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any
 
 import torch
 
@@ -75,10 +73,5 @@ def scheduled_idle(blocks: RuleBlocks) -> list[bool]:
     return idle
 
 
-def needs_entropy(configs: Sequence[Any]) -> bool:
-    """Whether any of these blocks' rules reads each proposal's entropy."""
-    return any(RULES[c.strategy].needs_entropy(c) for c in configs)
-
-
-__all__ = ["RULES", "SCHEDULED", "CommitRule", "RuleBlocks", "choose_commits", "needs_entropy",
+__all__ = ["RULES", "SCHEDULED", "CommitRule", "RuleBlocks", "choose_commits",
            "scheduled_idle"]

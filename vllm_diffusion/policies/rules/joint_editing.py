@@ -70,6 +70,13 @@ class JointBlockState:
         return JointBlockState(~original, original.clone(),
                                [count // steps + int(i < count % steps) for i in range(steps)])
 
+    def copy(self) -> JointBlockState:
+        """A copy that a step may change without changing this one (its tensors are
+        replaced, never written, by ``joint_step``)."""
+        rng = random.Random()
+        rng.setstate(self.rng.getstate())
+        return dataclasses.replace(self, seen=set(self.seen), rng=rng)
+
 
 @dataclasses.dataclass
 class JointStep:
