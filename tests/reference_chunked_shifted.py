@@ -19,8 +19,7 @@ from __future__ import annotations
 import torch
 from reference_fast_dllm_v2 import ReferenceFastDLLMv2
 from reference_focus import proposals
-from reference_focus_shifted import (_attend_and_mlp, _project, _visible_keys,
-                                     generate_by_shifted_blocks)
+from reference_focus_shifted import forward_rows, generate_by_shifted_blocks
 from reference_sdar import select_positions, transfer_quotas
 
 
@@ -49,13 +48,7 @@ def reference_chunked_shifted_generate(model: ReferenceFastDLLMv2, prompt: list[
             if reuse and warm and bool(uncached.any()):
                 processed &= masked | uncached
             rows = torch.nonzero(processed).flatten()
-            x = model.weights["model.embed_tokens.weight"][block[rows]]
-            for layer in range(num_layers):
-                q, k, v = _project(model, x, start + rows, layer)
-                store_k[layer][:, rows] = k.transpose(0, 1)
-                store_v[layer][:, rows] = v.transpose(0, 1)
-                keys, values = _visible_keys(store_k, store_v, past, layer, end)
-                x = _attend_and_mlp(model, x, q, keys, values, layer)
+            x = forward_rows(model, block, rows, start, past, store_k, store_v, end)
             read = rows[:-1] + 1  # the positions the rows but the last decode
             confidence, proposal = proposals(model._logits(x[:-1]), read, block_size, mask_id)
             eligible = torch.zeros(block_size, dtype=torch.bool)

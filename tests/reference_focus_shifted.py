@@ -77,6 +77,22 @@ def _visible_keys(store_k, store_v, past, layer: int, key_end: int):
     return keys.transpose(0, 1), values.transpose(0, 1)
 
 
+def forward_rows(model: ReferenceFastDLLMv2, block: torch.Tensor, rows: torch.Tensor,
+                 start: int, past, store_k: list, store_v: list,
+                 key_end: int) -> torch.Tensor:
+    """The block's ``rows`` (their tokens) through every layer, writing their keys and
+    values into the per-layer block stores ([Hkv, B, D]) and attending to the past and the
+    stores' first ``key_end`` positions; returns the last layer's output of the rows."""
+    x = model.weights["model.embed_tokens.weight"][block[rows]]
+    for layer in range(model.config["num_hidden_layers"]):
+        q, k, v = _project(model, x, start + rows, layer)
+        store_k[layer][:, rows] = k.transpose(0, 1)
+        store_v[layer][:, rows] = v.transpose(0, 1)
+        keys, values = _visible_keys(store_k, store_v, past, layer, key_end)
+        x = _attend_and_mlp(model, x, q, keys, values, layer)
+    return x
+
+
 @torch.no_grad()
 def reference_focus_shifted_generate(model: ReferenceFastDLLMv2, prompt: list[int], *,
                                      block_size: int, mask_id: int, max_tokens: int,

@@ -166,8 +166,9 @@ def test_shifted_logits_take_the_policies_that_keep_the_row_before_each_position
     shifted = ModelCapabilities(family="Shifted", shifted_logits=True)
     assert shifted.needs_whole_blocks
     # standard (its chunk window too), FOCUS, ES-dLLM and elastic keep the row before
-    # every position they decode, whole block or not
+    # every position they decode, whole block or not; Ada-DLM decodes whole blocks
     assert refusal(shifted, POLICIES["standard"], {}) is None
+    assert refusal(shifted, POLICIES["ada"], {}) is None
     assert refusal(shifted, POLICIES["standard"], {"chunk_size": 2, "chunk_reuse": True}) is None
     for name in ("focus", "es", "elastic"):
         assert refusal(shifted, POLICIES[name], {}) is None, name
@@ -176,8 +177,8 @@ def test_shifted_logits_take_the_policies_that_keep_the_row_before_each_position
                               "blocks only with its full budget"), message
     assert "Shifted's logits are shifted: each position's token is read from the row " \
            "before it" in message
-    for name in ("sparse_prefix", "ada"):
-        message = refusal(shifted, POLICIES[name], {})
+    for name, options in (("sparse_prefix", {}), ("ada", {"intra_block_cache": True})):
+        message = refusal(shifted, POLICIES[name], options)
         assert message.startswith(f"the {name} policy cannot serve Shifted, whose logits "
                                   f"are shifted"), message
         assert "use the standard policy" in message
@@ -194,8 +195,11 @@ def test_fast_dllm_v2_declares_its_published_decoding():
                                            "sub_block_size": 8}
     assert refusal(model, POLICIES["standard"], dict(model.option_defaults),
                    block_size=32) is None
-    assert refusal(model, POLICIES["ada"], {}).startswith(
+    assert refusal(model, POLICIES["ada"], {}) is None  # whole blocks
+    assert refusal(model, POLICIES["ada"], {"intra_block_cache": True}).startswith(
         "the ada policy cannot serve Fast-dLLM v2, whose logits are shifted")
+    assert refusal(model, POLICIES["sparse_prefix"], {}).startswith(
+        "the sparse_prefix policy cannot serve Fast-dLLM v2, whose logits are shifted")
 
 
 def test_full_attention_cache_modes_of_the_seed_methods():

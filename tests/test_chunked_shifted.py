@@ -12,9 +12,10 @@ import pathlib
 
 import pytest
 
-from conftest import diffusion_llm, token_prompts
+from conftest import diffusion_llm
 from reference_chunked_shifted import reference_chunked_shifted_generate
 from reference_fast_dllm_v2 import ReferenceFastDLLMv2
+from test_focus_shifted import assert_alone_and_batched
 
 from vllm_diffusion_lab.fixtures.tiny_fast_dllm_v2 import build_tiny_fast_dllm_v2
 
@@ -60,11 +61,4 @@ def test_chunks_equal_the_shifted_chunked_reference(checkpoint, block_size, poli
 
     with diffusion_llm(checkpoint, diffusion_block_size=block_size, max_num_seqs=16,
                        additional_config={"diffusion_policy": policy}) as llm:
-        for case, name in cases:
-            alone = llm.generate(token_prompts([PROMPTS[name]]), params(case),
-                                 use_tqdm=False)[0].outputs[0]
-            assert list(alone.token_ids) == want[case, name], (case, name)
-        batch = llm.generate(token_prompts([PROMPTS[name] for _, name in cases]),
-                             [params(case) for case, _ in cases], use_tqdm=False)
-    for key, output in zip(cases, batch):
-        assert list(output.outputs[0].token_ids) == want[key], key
+        assert_alone_and_batched(llm, PROMPTS, cases, params, want)

@@ -69,17 +69,23 @@ def assert_equal_alone_and_batched(llm, prompts: dict, cases: list, params, want
     tokens; and the step's hooks dropped rows (fewer block rows went through the later
     layers than were computed)."""
     before = llm.collective_rpc("diffusion_stats")[0]
+    assert_alone_and_batched(llm, prompts, cases, params, want)
+    after = llm.collective_rpc("diffusion_stats")[0]
+    assert (after["block_positions_after_eviction"] - before["block_positions_after_eviction"]
+            < after["block_positions_computed"] - before["block_positions_computed"])
+
+
+def assert_alone_and_batched(llm, prompts: dict, cases: list, params, want: dict) -> None:
+    """Each (case, prompt name) of ``cases`` alone, then all in one batch, gives ``want``'s
+    tokens (``params(case)``: its sampling parameters)."""
     for case, name in cases:
         alone = llm.generate(token_prompts([prompts[name]]), params(case),
                              use_tqdm=False)[0].outputs[0]
         assert list(alone.token_ids) == want[case, name], (case, name)
-    after = llm.collective_rpc("diffusion_stats")[0]
     batch = llm.generate(token_prompts([prompts[name] for _, name in cases]),
                          [params(case) for case, _ in cases], use_tqdm=False)
     for key, output in zip(cases, batch):
         assert list(output.outputs[0].token_ids) == want[key], key
-    assert (after["block_positions_after_eviction"] - before["block_positions_after_eviction"]
-            < after["block_positions_computed"] - before["block_positions_computed"])
 
 
 def test_the_delayed_commit_is_refused_where_logits_are_shifted(checkpoint):

@@ -193,10 +193,12 @@ class AdaPolicy(DecodingPolicy[AdaConfig, AdaState]):
     @classmethod
     def traits(cls, options: Mapping[str, Any]) -> PolicyTraits:
         """Without the intra-block cache every step computes the whole block: it decodes
-        full-attention models too (under any cache mode: its rule decides commits only)."""
+        full-attention models too (under any cache mode: its rule decides commits only),
+        and models whose logits are shifted (each position's history is its decoding
+        row's)."""
         intra_block = option_value(cls.config_cls, options, "intra_block_cache")
         return PolicyTraits(
-            attention_regimes=("block_causal", "full"),
+            attention_regimes=("block_causal", "full"), shifted_logits=not intra_block,
             partial_blocks=("option 'intra_block_cache' computes part of a block in some "
                             "forwards; remove it") if intra_block else None)
 
