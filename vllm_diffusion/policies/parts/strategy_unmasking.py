@@ -37,9 +37,9 @@ def strategy_decision(blocks: StepBlocks, block_size: int, mask_token_id: int,
     commits = rules.choose_commits(rule_blocks)
     idle = (rules.scheduled_idle(rule_blocks)
             if any(c.strategy in rules.SCHEDULED for c in configs) else None)
-    return StepDecision(commits, token_editing.choose_edits(
-        configs, blocks.confidence, blocks.proposals, blocks.tokens, blocks.filled),
-        idle, token_editing.post_steps(configs))
+    edits, post_steps = token_editing.choose_edits(
+        configs, blocks.confidence, blocks.proposals, blocks.tokens, blocks.filled)
+    return StepDecision(commits, edits, idle, post_steps)
 
 
 def _rewrites(blocks: StepBlocks, block_size: int, mask_token_id: int,

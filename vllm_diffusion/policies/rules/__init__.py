@@ -14,9 +14,9 @@ each a ``blocks.CommitRule`` with one batched ``step``, registered in ``RULES`` 
 
 Every rule finishes a block within its ``denoising_steps``. ``choose_commits`` decides a
 step's blocks, each by its own rule (one call per rule followed). Token editing
-(LLaDA2.1) and the rewriting loop of models whose edits move tokens
-(``joint_editing.py``) decide on filled tokens and are the decision's
-(``policies/parts/strategy_unmasking.py``). The plain per-block reference of every rule is
+(LLaDA2.1, ``token_editing.py``) and the rewriting loop of models whose edits move tokens
+(``joint_editing.py``) decide on filled tokens; ``policies/parts/strategy_unmasking.py``
+composes them into the step's decision. The plain per-block reference of every rule is
 ``tests/reference_unmasking.py``; adding a rule: ``docs/extending.md``.
 """
 

@@ -18,23 +18,19 @@ import torch
 
 
 def choose_edits(configs: Sequence[Any], confidence: torch.Tensor, proposals: torch.Tensor,
-                 tokens: torch.Tensor, filled: torch.Tensor) -> torch.Tensor | None:
-    """[R, B] bool: the filled positions that take their proposal, or None where no block
-    edits (``configs``: each block's options; confidence [R, B] float32, proposals and
-    tokens [R, B] int64, filled [R, B] bool)."""
+                 tokens: torch.Tensor, filled: torch.Tensor
+                 ) -> tuple[torch.Tensor | None, list[int | None] | None]:
+    """The step's edits: [R, B] bool, the filled positions that take their proposal, and
+    per block the most post steps it may take (None: it does not edit); (None, None) where
+    no block edits (``configs``: each block's options; confidence [R, B] float32,
+    proposals and tokens [R, B] int64, filled [R, B] bool)."""
     limits = [c.editing_threshold for c in configs]
-    if all(limit is None for limit in limits):
-        return None
+    if all(limit is None for limit in limits):  # the common step: one pass, nothing built
+        return None, None
     limit = torch.tensor([float("inf") if x is None else x for x in limits])
-    return filled & (proposals != tokens) & (confidence > limit[:, None])
-
-
-def post_steps(configs: Sequence[Any]) -> list[int | None] | None:
-    """Per block, the most post steps it may take (None: it does not edit), or None where
-    no block edits."""
-    if all(c.editing_threshold is None for c in configs):
-        return None
-    return [None if c.editing_threshold is None else c.max_post_steps for c in configs]
+    edits = filled & (proposals != tokens) & (confidence > limit[:, None])
+    return edits, [None if c.editing_threshold is None else c.max_post_steps
+                   for c in configs]
 
 
 def block_ends(max_post_steps: int | None, edited: bool, began_unmasked: bool,
