@@ -387,8 +387,11 @@ def test_registry_and_interface():
     # the interface: what the runner calls, and nothing else public
     public = {name for name, value in vars(DecodingPolicy).items()
               if not name.startswith("_") and callable(getattr(DecodingPolicy, name))}
-    assert public == {"traits", "bind", "new_state", "begin_step", "plan_step",
-                      "forward_hooks", "decide", "after_step", "counters"}
+    assert public == {"bind", "new_state", "begin_step", "plan_step", "forward_hooks",
+                      "decide", "after_step", "counters"}
+    # what a policy does with its options is its options' to say
+    assert FocusConfig.traits({"evict": False}).skips_rows is False
+    assert FocusConfig.traits({}).skips_rows is True
 
 
 def test_layer_input_maps_step_rows_to_current_rows():

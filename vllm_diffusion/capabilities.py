@@ -3,7 +3,7 @@ and compared by one check.
 
 A family declares its ``ModelCapabilities`` (``models/configs.py``, from the checkpoint's
 configuration); a policy declares its ``PolicyTraits`` for given options
-(``DecodingPolicy.traits``). ``refusal`` compares them: at start-up with the engine's
+(``PolicyConfig.traits``). ``refusal`` compares them: at start-up with the engine's
 options, and for every request with its effective options. ``request_refusal`` adds what
 a family's decoding rules out for a request's sampling parameters. Nothing here names a
 family: the rules are stated on the declared properties.
@@ -156,7 +156,7 @@ def refusal(model: ModelCapabilities, policy: Any, options: Mapping[str, Any],
     ``options``), where an option that only applies to other models is refused;
     ``block_size``: the diffusion block size, checked where known (start-up);
     ``cache_mode``: the engine's ``diffusion_cache_mode``."""
-    traits = policy.traits(options)
+    traits = policy.config_cls.traits(options)
     if model.attention not in traits.attention_regimes:
         return (f"the {policy.name} policy cannot serve {model.family}, which attends "
                 f"{model.attention!r}: it decodes under "

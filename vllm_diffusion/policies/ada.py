@@ -98,6 +98,18 @@ class AdaConfig(PolicyConfig):
     static_threshold: float | None = option(None, Rule(float, low=0.0, high=1.0,
                                                        optional=True))
 
+    @classmethod
+    def traits(cls, options: Mapping[str, Any]) -> PolicyTraits:
+        """Without the intra-block cache every step computes the whole block: it decodes
+        full-attention models too (under any cache mode: its rule decides commits only),
+        and models whose logits are shifted (each position's history is its decoding
+        row's)."""
+        intra_block = option_value(cls, options, "intra_block_cache")
+        return PolicyTraits(
+            attention_regimes=("block_causal", "full"), shifted_logits=not intra_block,
+            partial_blocks=("option 'intra_block_cache' computes part of a block in some "
+                            "forwards; remove it") if intra_block else None)
+
 
 def capacity_count(capacity: float, block_size: int) -> int:
     """K = ceil(capacity * B), at least 1 (a tolerance keeps 0.15 * 20 at 3)."""
@@ -189,18 +201,6 @@ class AdaPolicy(DecodingPolicy[AdaConfig, AdaState]):
     name: ClassVar[str] = "ada"
     config_cls: ClassVar[type] = AdaConfig
     confidence_rule: ClassVar[str] = "max_probability"
-
-    @classmethod
-    def traits(cls, options: Mapping[str, Any]) -> PolicyTraits:
-        """Without the intra-block cache every step computes the whole block: it decodes
-        full-attention models too (under any cache mode: its rule decides commits only),
-        and models whose logits are shifted (each position's history is its decoding
-        row's)."""
-        intra_block = option_value(cls.config_cls, options, "intra_block_cache")
-        return PolicyTraits(
-            attention_regimes=("block_causal", "full"), shifted_logits=not intra_block,
-            partial_blocks=("option 'intra_block_cache' computes part of a block in some "
-                            "forwards; remove it") if intra_block else None)
 
     def uses_intra_block_cache(self, config: AdaConfig) -> bool:
         if config.intra_block_cache is None:

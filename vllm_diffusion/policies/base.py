@@ -58,6 +58,14 @@ class PolicyConfig:
     def validate_for_block(self, block_size: int, source: str) -> None:
         """Checks that need the block size; raise ``OptionError`` naming the option."""
 
+    @classmethod
+    def traits(cls, options: Mapping[str, Any]) -> PolicyTraits:
+        """What the policy does with ``options`` (absent ones take their defaults);
+        ``capabilities.refusal`` compares it with the model's needs."""
+        return PolicyTraits(partial_blocks=(
+            "it computes part of a block in some forwards or does not unmask by the "
+            "strategies; use the standard policy"))
+
     @property
     def needs_entropy(self) -> bool:
         """Whether a step's decision for a block with these options reads each proposal's
@@ -94,14 +102,6 @@ class DecodingPolicy(abc.ABC, Generic[ConfigT, StateT]):
     # How many best tokens per position its decision reads (``StepBlocks.ranked``; set by
     # ``bind``: above 0 only where the model's edits move tokens).
     proposal_ranks: int = 0
-
-    @classmethod
-    def traits(cls, options: Mapping[str, Any]) -> PolicyTraits:
-        """What the policy does with ``options`` (absent ones take their defaults);
-        ``capabilities.refusal`` compares it with the model's needs."""
-        return PolicyTraits(partial_blocks=(
-            "it computes part of a block in some forwards or does not unmask by the "
-            "strategies; use the standard policy"))
 
     def bind(self, model: ModelCapabilities, hf_config: Any, prefix_caching: bool) -> None:
         """Bind to the served model (``model``: its capabilities) at start-up; a policy

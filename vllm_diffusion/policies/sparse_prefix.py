@@ -69,6 +69,24 @@ class SparsePrefixConfig(StrategyConfig):
             raise OptionError(f"{source}: option 'pool_kernel' must be odd (the window is "
                               f"centred on each position), got {self.pool_kernel}")
 
+    @classmethod
+    def traits(cls, options: Mapping[str, Any]) -> PolicyTraits:
+        """Every forward computes whole blocks (only the attention's keys are selected);
+        under full attention it needs the dual cache."""
+        # at delay 0 the selecting step is the block's first, its refresh
+        if option_value(cls, options, "delay_steps") == 0:
+            return PolicyTraits(
+                attention_regimes=("block_causal", "full"), cache_modes=(),
+                cache_modes_reason=(
+                    "option 'delay_steps' 0 would select at the block's first step, which "
+                    "refreshes the whole sequence's KV under the dual cache; set it to 1 "
+                    "or more"))
+        return PolicyTraits(
+            attention_regimes=("block_causal", "full"), cache_modes=("dual",),
+            cache_modes_reason=(
+                "Sparse-dLLM evicts from the KV cached outside the block, which "
+                "'recompute' does not keep and 'prefix' recomputes after the block"))
+
 
 @dataclasses.dataclass
 class SparsePrefixState:
@@ -138,24 +156,6 @@ class SparsePrefixPolicy(StrategyPolicy[SparsePrefixConfig, SparsePrefixState]):
 
     name: ClassVar[str] = "sparse_prefix"
     config_cls: ClassVar[type] = SparsePrefixConfig
-
-    @classmethod
-    def traits(cls, options: Mapping[str, Any]) -> PolicyTraits:
-        """Every forward computes whole blocks (only the attention's keys are selected);
-        under full attention it needs the dual cache."""
-        # at delay 0 the selecting step is the block's first, its refresh
-        if option_value(cls.config_cls, options, "delay_steps") == 0:
-            return PolicyTraits(
-                attention_regimes=("block_causal", "full"), cache_modes=(),
-                cache_modes_reason=(
-                    "option 'delay_steps' 0 would select at the block's first step, which "
-                    "refreshes the whole sequence's KV under the dual cache; set it to 1 "
-                    "or more"))
-        return PolicyTraits(
-            attention_regimes=("block_causal", "full"), cache_modes=("dual",),
-            cache_modes_reason=(
-                "Sparse-dLLM evicts from the KV cached outside the block, which "
-                "'recompute' does not keep and 'prefix' recomputes after the block"))
 
     def __init__(self, block_size: int, mask_token_id: int,
                  engine_config: SparsePrefixConfig) -> None:

@@ -42,6 +42,18 @@ class StandardConfig(ChunkConfig):
         self.refuse_editing_with(source, "with 'sub_block_cache' (positions outside the "
                                          "active sub-block get no new proposal)")
 
+    @classmethod
+    def traits(cls, options: Mapping[str, Any]) -> PolicyTraits:
+        chunked = (option_value(cls, options, "chunk_size") is not None
+                   or option_value(cls, options, "chunk_reuse"))
+        sub_blocks = option_value(cls, options, "sub_block_cache")
+        return dataclasses.replace(super().traits(options), partial_blocks=(
+            "options 'chunk_size' and 'chunk_reuse' compute part of a block in a forward; "
+            "remove them") if chunked else None, attention_regimes=("block_causal", "full"),
+            shifted_logits=True, shifted_partial_blocks=True, sub_block_rows=(
+                "option 'sub_block_cache' computes only the active sub-block in some "
+                "forwards; remove it") if sub_blocks else None)
+
 
 @dataclasses.dataclass
 class StandardState:
@@ -57,18 +69,6 @@ class StandardPolicy(StrategyPolicy[StandardConfig, StandardState]):
 
     name: ClassVar[str] = "standard"
     config_cls: ClassVar[type] = StandardConfig
-
-    @classmethod
-    def traits(cls, options: Mapping[str, Any]) -> PolicyTraits:
-        chunked = (option_value(cls.config_cls, options, "chunk_size") is not None
-                   or option_value(cls.config_cls, options, "chunk_reuse"))
-        sub_blocks = option_value(cls.config_cls, options, "sub_block_cache")
-        return dataclasses.replace(super().traits(options), partial_blocks=(
-            "options 'chunk_size' and 'chunk_reuse' compute part of a block in a forward; "
-            "remove them") if chunked else None, attention_regimes=("block_causal", "full"),
-            shifted_logits=True, shifted_partial_blocks=True, sub_block_rows=(
-                "option 'sub_block_cache' computes only the active sub-block in some "
-                "forwards; remove it") if sub_blocks else None)
 
     def new_state(self, config: StandardConfig) -> StandardState:
         return StandardState(ChunkWindow(self.block_size), SubBlockCache(self.block_size))

@@ -106,6 +106,13 @@ class ElasticConfig(ChunkConfig):
         self.refuse_editing_with(source, "with the elastic policy (its chunks leave positions "
                                          "without a new proposal)")
 
+    @classmethod
+    def traits(cls, options: Mapping[str, Any]) -> PolicyTraits:
+        """Computes a chunk of the block; where logits are shifted, its window of rows
+        reads every undecided position in it (``parts/chunk_window.py``)."""
+        return dataclasses.replace(super().traits(options), shifted_logits=True,
+                                   shifted_partial_blocks=True)
+
 
 ElasticRequest = DiffusionRequest[ElasticConfig, ChunkWindow]
 
@@ -116,13 +123,6 @@ LEARN_EVERY = 8  # steps between updates of the statistics (and of the estimates
 class ElasticPolicy(StrategyPolicy[ElasticConfig, ChunkWindow]):
     name: ClassVar[str] = "elastic"
     config_cls: ClassVar[type] = ElasticConfig
-
-    @classmethod
-    def traits(cls, options: Mapping[str, Any]) -> PolicyTraits:
-        """Computes a chunk of the block; where logits are shifted, its window of rows
-        reads every undecided position in it (``parts/chunk_window.py``)."""
-        return dataclasses.replace(super().traits(options), shifted_logits=True,
-                                   shifted_partial_blocks=True)
 
     def __init__(self, block_size: int, mask_token_id: int,
                  engine_config: ElasticConfig) -> None:

@@ -135,6 +135,19 @@ class EsConfig(StrategyConfig):
             raise OptionError(f"{source}: option 'skip_layers' must list distinct layers "
                               f"in increasing order, got {list(layers)}")
 
+    @classmethod
+    def traits(cls, options: Mapping[str, Any]) -> PolicyTraits:
+        """Plans whole blocks and drops rows inside the forward; under full attention it
+        skips within the cached window."""
+        return dataclasses.replace(
+            super().traits(options), partial_blocks=None, shifted_logits=True,
+            shifted_partial_blocks=True,
+            skips_rows=option_value(cls, options, "skip_ratio") > 0,
+            attention_regimes=("block_causal", "full"), cache_modes=("dual",),
+            cache_modes_reason=("ES-dLLM skips positions of the block a cached step "
+                                "computes alone; 'recompute' and 'prefix' compute the "
+                                "positions after it too"))
+
 
 LEFTMOST_MASK_BONUS, DECODED_BONUS, TOP_CONFIDENCE_BONUS = 5.0, 3.0, 2.0  # the authors'
 
@@ -291,19 +304,6 @@ class EsPolicy(StrategyPolicy[EsConfig, EsState]):
     name: ClassVar[str] = "es"
     config_cls: ClassVar[type] = EsConfig
     confidence_rule: ClassVar[str] = "max_probability"
-
-    @classmethod
-    def traits(cls, options: Mapping[str, Any]) -> PolicyTraits:
-        """Plans whole blocks and drops rows inside the forward; under full attention it
-        skips within the cached window."""
-        return dataclasses.replace(
-            super().traits(options), partial_blocks=None, shifted_logits=True,
-            shifted_partial_blocks=True,
-            skips_rows=option_value(cls.config_cls, options, "skip_ratio") > 0,
-            attention_regimes=("block_causal", "full"), cache_modes=("dual",),
-            cache_modes_reason=("ES-dLLM skips positions of the block a cached step "
-                                "computes alone; 'recompute' and 'prefix' compute the "
-                                "positions after it too"))
 
     def __init__(self, block_size: int, mask_token_id: int,
                  engine_config: EsConfig) -> None:

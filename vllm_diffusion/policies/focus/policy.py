@@ -86,6 +86,16 @@ class FocusConfig(StrategyConfig):
             self.refuse_editing_with(source, "with FOCUS's 'evict' on (evicted positions get "
                                              "no new proposal)")
 
+    @classmethod
+    def traits(cls, options: Mapping[str, Any]) -> PolicyTraits:
+        value = functools.partial(option_value, cls, options)
+        partial = (value("evict") or value("intra_block_cache") or value("commit") != "exact")
+        return dataclasses.replace(super().traits(options), partial_blocks=(
+            "it computes whole blocks only with its full budget: set 'evict' and "
+            "'intra_block_cache' to false and keep commit='exact'") if partial else None,
+            skips_rows=bool(value("evict")), shifted_logits=True,
+            shifted_partial_blocks=value("commit") == "exact")
+
 
 @dataclasses.dataclass
 class FocusRequestState:
@@ -128,16 +138,6 @@ class FocusPolicy(StrategyPolicy[FocusConfig, FocusRequestState]):
 
     name: ClassVar[str] = "focus"
     config_cls: ClassVar[type] = FocusConfig
-
-    @classmethod
-    def traits(cls, options: Mapping[str, Any]) -> PolicyTraits:
-        value = functools.partial(option_value, cls.config_cls, options)
-        partial = (value("evict") or value("intra_block_cache") or value("commit") != "exact")
-        return dataclasses.replace(super().traits(options), partial_blocks=(
-            "it computes whole blocks only with its full budget: set 'evict' and "
-            "'intra_block_cache' to false and keep commit='exact'") if partial else None,
-            skips_rows=bool(value("evict")), shifted_logits=True,
-            shifted_partial_blocks=value("commit") == "exact")
 
     def __init__(self, block_size: int, mask_token_id: int,
                  engine_config: FocusConfig) -> None:

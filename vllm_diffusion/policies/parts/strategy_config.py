@@ -5,8 +5,10 @@ steps a block may take, and LLaDA2.1 token editing."""
 from __future__ import annotations
 
 import dataclasses
-from typing import ClassVar
+from collections.abc import Mapping
+from typing import Any, ClassVar
 
+from vllm_diffusion.capabilities import PolicyTraits
 from vllm_diffusion.options import OptionError, Rule, option
 from vllm_diffusion.policies.base import PolicyConfig
 from vllm_diffusion.policies.rules import RULES
@@ -100,3 +102,12 @@ class StrategyConfig(PolicyConfig):
     def needs_entropy(self) -> bool:
         return RULES[self.strategy].needs_entropy(self)
 
+    @classmethod
+    def traits(cls, options: Mapping[str, Any]) -> PolicyTraits:
+        """Blocks whose tokens move decode by the rewriting loop (``joint_editing``),
+        which unmasks by its own rule."""
+        strategy = options.get("strategy", "low_confidence_dynamic")
+        return dataclasses.replace(super().traits(options), fixed_positions_only=(
+            None if strategy == "low_confidence_dynamic" else
+            "option 'strategy': the rewriting loop unmasks by its own rule (its threshold "
+            "and quota schedule); remove it"))

@@ -9,13 +9,11 @@ served model's edits move tokens, is rewritten by the joint loop of
 
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import Mapping
 from typing import Any, Generic, TypeVar
 
 import torch
 
-from vllm_diffusion.capabilities import ModelCapabilities, PolicyTraits
+from vllm_diffusion.capabilities import ModelCapabilities
 from vllm_diffusion.policies.base import DecodingPolicy
 from vllm_diffusion.policies import rules
 from vllm_diffusion.policies.rules import token_editing
@@ -98,16 +96,6 @@ class StrategyPolicy(DecodingPolicy[StrategyConfigT, StateT],
                      Generic[StrategyConfigT, StateT]):
     """Base of the policies that decide by the rules (``strategy_decision``; what to
     compute is each policy's own)."""
-
-    @classmethod
-    def traits(cls, options: Mapping[str, Any]) -> PolicyTraits:
-        """Blocks whose tokens move decode by the rewriting loop (``joint_editing``),
-        which unmasks by its own rule."""
-        strategy = options.get("strategy", "low_confidence_dynamic")
-        return dataclasses.replace(super().traits(options), fixed_positions_only=(
-            None if strategy == "low_confidence_dynamic" else
-            "option 'strategy': the rewriting loop unmasks by its own rule (its threshold "
-            "and quota schedule); remove it"))
 
     def bind(self, model: ModelCapabilities, hf_config: Any, prefix_caching: bool) -> None:
         super().bind(model, hf_config, prefix_caching)
