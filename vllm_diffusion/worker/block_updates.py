@@ -31,13 +31,14 @@ from vllm_diffusion.worker.proposal_grid import ProposalGrid
 from vllm_diffusion.worker.row_context import RowContext
 from vllm_diffusion.worker.sampling import ROW_VALID
 from vllm_diffusion.worker.failure_isolation import StepFailures
-from vllm_diffusion.worker.step_plan import (DenoisedBlock, decode_steps, emit_final_tokens,
+from vllm_diffusion.worker.step_plan import (RequestRows, decode_steps, emit_final_tokens,
                                              truncate_at_stop)
 
 
 @dataclasses.dataclass
 class ProposedBlocks:
-    blocks: list[DenoisedBlock]
+    blocks: list[RequestRows]  # the denoised blocks' requests
+    num_computed: list[int]  # each block's positions that reached the model output
     states: list[Any]  # vLLM's CachedRequestState of each block's request
     context: RowContext  # output canvases, bad words, seen tokens
     grammar: GrammarStep
@@ -49,11 +50,11 @@ class ProposedBlocks:
 
     @property
     def requests(self) -> list[DiffusionRequest]:
-        return [b.rows.request for b in self.blocks]
+        return [b.request for b in self.blocks]
 
     @property
     def req_ids(self) -> list[str]:
-        return [b.rows.req_id for b in self.blocks]
+        return [b.req_id for b in self.blocks]
 
 
 @dataclasses.dataclass
@@ -99,7 +100,7 @@ class BlockUpdates:
         available = masked & usable
         if grammar.active:  # only a grammar-valid run from the leftmost undecided position
             grammar.constrain(proposals, confidence, available, usable, position_rules(
-                [b.rows.canvas for b in blocks], step.states, context.output_canvas,
+                [b.canvas for b in blocks], step.states, context.output_canvas,
                 [r.grammar is not None for r in requests]))
             failures.fail_each(step.req_ids, grammar.take_errors("walking its grammar"))
         tokens_before = step.tokens
@@ -111,7 +112,7 @@ class BlockUpdates:
             return BlockChanges(decision, none, none, tokens_before, [], [], [], [], [], [])
         commits = decision.commits
         scheduled_idle = [decision.is_idle(i) for i in range(len(blocks))]
-        forced = [b.rows.commit_candidates for b in blocks]  # ``RequestRows``
+        forced = [b.commit_candidates for b in blocks]  # ``RequestRows``
         if any(forced):
             commits = commits | (available & torch.tensor(forced)[:, None])
             scheduled_idle = [idle and not f for idle, f in zip(scheduled_idle, forced)]
@@ -125,7 +126,7 @@ class BlockUpdates:
             edits = torch.zeros_like(commits)
         for i, block_words in enumerate(context.words):
             if block_words:
-                undo_completed_words(context.output_canvas[i], blocks[i].rows.canvas.start
+                undo_completed_words(context.output_canvas[i], blocks[i].canvas.start
                                      - len(step.states[i].prompt_token_ids), block_words,
                                      commits[i], edits[i], tokens_before[i], tokens_after[i],
                                      self.mask_token_id)
@@ -147,7 +148,7 @@ class BlockUpdates:
         logprobs = step.grid.logprobs
         rewrites = changes.decision.rewrites
         for i, (block, state) in enumerate(zip(step.blocks, step.states)):
-            req_id, params = block.rows.req_id, state.sampling_params
+            req_id, params = block.req_id, state.sampling_params
             if req_id in failures:
                 continue
             with failures.isolated(req_id, "taking its step"):
@@ -163,8 +164,7 @@ class BlockUpdates:
     def _rewrite(self, policy: DecodingPolicy, step: ProposedBlocks,
                  decision: StepDecision, i: int) -> EmittedTokens:
         """Block ``i`` takes its rewriting (``decision.rewrites[i]``, a ``JointStep``)."""
-        block, state, stats = step.blocks[i], step.states[i], self.stats
-        canvas = block.rows.canvas
+        canvas, stats = step.blocks[i].canvas, self.stats
         masked, old = step.masked[i], step.tokens[i]
         rewritten = decision.rewrites[i]
         canvas.commit(rewritten.changed, rewritten.tokens_written,
@@ -175,8 +175,7 @@ class BlockUpdates:
         stats.tokens_split += rewritten.splits
         moved = rewritten.deletions + rewritten.splits
         return self._finish_step(
-            policy, block, state, rewritten.ended, masked, step.grid.computed[i],
-            int((rewritten.changed & masked).sum()),
+            policy, step, i, rewritten.ended, int((rewritten.changed & masked).sum()),
             int((rewritten.changed & ~masked).sum()) + moved,
             canvas.tokens.tolist(), scheduled_idle=False, final_when_filled=False)
 
@@ -184,8 +183,7 @@ class BlockUpdates:
                 i: int, logprobs: torch.Tensor | None) -> EmittedTokens:
         """Block ``i`` takes its commits and edits. ``logprobs``: [B, C] the logprob
         columns of its positions this step (None: not asked for)."""
-        block, state = step.blocks[i], step.states[i]
-        canvas, computed = block.rows.canvas, step.grid.computed[i]
+        canvas, computed = step.blocks[i].canvas, step.grid.computed[i]
         changed = changes.commits[i] | changes.edits[i]
         canvas.commit(changed, changes.tokens_after[i],
                       began_unmasked=changes.began_unmasked[i], logprobs=logprobs)
@@ -196,23 +194,23 @@ class BlockUpdates:
         canvas.final_kv = (block_done and not (changes.num_decoded[i]
                                                or changes.num_edited[i])
                            and bool(computed.all()))
-        return self._finish_step(policy, block, state, block_done, step.masked[i], computed,
-                                 changes.num_decoded[i], changes.num_edited[i],
+        return self._finish_step(policy, step, i, block_done, changes.num_decoded[i],
+                                 changes.num_edited[i],
                                  changes.token_lists[i], changes.scheduled_idle[i],
                                  final_when_filled=post_steps is None)
 
-    def _finish_step(self, policy: DecodingPolicy, block: DenoisedBlock, state: Any,
-                     block_done: bool,
-                     masked: torch.Tensor, computed: torch.Tensor, num_decoded: int,
-                     num_edited: int, tokens: list[int], scheduled_idle: bool,
-                     final_when_filled: bool) -> EmittedTokens:
-        """After a block's step (its canvas updated): tell the policy, emit the newly
+    def _finish_step(self, policy: DecodingPolicy, step: ProposedBlocks, i: int,
+                     block_done: bool, num_decoded: int, num_edited: int, tokens: list[int],
+                     scheduled_idle: bool, final_when_filled: bool) -> EmittedTokens:
+        """After block ``i``'s step (its canvas updated): tell the policy, emit the newly
         final tokens (``tokens``: the block now; the decoded run after the known tokens,
         or, where its tokens may still change (not ``final_when_filled``), nothing until
         the block ends), count (``scheduled_idle``: the block's schedule left the step
         empty by design)."""
-        request, canvas = block.rows.request, block.rows.canvas
-        policy.after_step(request, masked, computed, num_decoded, block_done)
+        block, state = step.blocks[i], step.states[i]
+        request, canvas = block.request, block.canvas
+        policy.after_step(request, step.masked[i], step.grid.computed[i], num_decoded,
+                          block_done)
         num_known = len(state.prompt_token_ids) + len(state.output_token_ids)
         if not block_done and not final_when_filled:
             decoded = []
@@ -226,8 +224,8 @@ class BlockUpdates:
         state.output_token_ids.extend(final)
         stats = self.stats
         stats.denoising_steps += 1
-        stats.block_positions_computed += len(block.rows.block_positions)
-        stats.block_positions_after_eviction += block.num_computed
+        stats.block_positions_computed += len(block.block_positions)
+        stats.block_positions_after_eviction += step.num_computed[i]
         stats.tokens_committed += len(final)
         stats.blocks_completed += int(block_done)
         stats.tokens_edited += num_edited

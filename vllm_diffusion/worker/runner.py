@@ -195,22 +195,21 @@ class DiffusionRunnerMixin:
         """Proposals for every computed position of the step's blocks, within each
         request's constraints ([R, B] grids on the host); a request whose grammar or
         proposals raise, or whose leftmost undecided position has no token left, fails."""
-        blocks, hidden_index, where = denoised_blocks(rows, step, out_rows)
+        blocks, counts, hidden_index, where = denoised_blocks(rows, step, out_rows)
         if not blocks:
             return None
         mask_id = self.diffusion.mask_token_id
-        states = [self.requests[b.rows.req_id] for b in blocks]
-        params = [argmax_params(s.sampling_params) if b.rows.argmax_proposals
+        states = [self.requests[b.req_id] for b in blocks]
+        params = [argmax_params(s.sampling_params) if b.argmax_proposals
                   else s.sampling_params for b, s in zip(blocks, states)]
-        context = RowContext.of([b.rows.canvas for b in blocks], states, where, mask_id)
-        requests = [b.rows.request for b in blocks]
+        context = RowContext.of([b.canvas for b in blocks], states, where, mask_id)
+        requests = [b.request for b in blocks]
         with_entropy = any(r.policy_config.needs_entropy for r in requests)
         slots = slot_index(requests)  # [R]
         tokens = self.block_slots.tokens[slots]  # [R, B] the blocks before the step
         masked = tokens == mask_id
-        counts = [b.num_computed for b in blocks]
         grammar = GrammarStep(self.grammars, [r.grammar for r in requests],
-                              [b.rows.req_id for b in blocks], masked)
+                              [b.req_id for b in blocks], masked)
         # The logits ([n, V]) are made and reduced a chunk of requests at a time.
         errors: dict[int, tuple[str, Exception]] = {}
         grammar_rows = grammar.first_row_masks(where, counts) if grammar.active else None
@@ -225,11 +224,11 @@ class DiffusionRunnerMixin:
                                mask_id, [wants_logprobs(p) for p in params])
         for i, position, code in unsatisfiable_blocks(grid.invalid, masked, grid.computed,
                                                       grid.ranked is not None):
-            index = blocks[i].rows.canvas.start + position - len(states[i].prompt_token_ids)
+            index = blocks[i].canvas.start + position - len(states[i].prompt_token_ids)
             errors.setdefault(i, ("proposing its tokens", UnsatisfiableRequest(
                 unsatisfiable_message(params[i], index, code))))
-        failures.fail_each([b.rows.req_id for b in blocks], errors)
-        return ProposedBlocks(blocks, states, context, grammar, grid, tokens, masked,
+        failures.fail_each([b.req_id for b in blocks], errors)
+        return ProposedBlocks(blocks, counts, states, context, grammar, grid, tokens, masked,
                               self.block_slots.decoded_at[slots] >= 0, with_entropy)
 
     def _output(self, req_ids: list[str], rows: list[RequestRows],

@@ -232,26 +232,19 @@ def truncate_at_stop(tokens: list[int], params: Any, num_output: int) -> list[in
     return tokens
 
 
-@dataclasses.dataclass
-class DenoisedBlock:
-    """A request's block after the forward: the positions that reached the last layer."""
-
-    rows: RequestRows
-    num_computed: int  # its block positions with logits
-
-
 def denoised_blocks(rows: list[RequestRows], step: ForwardStep, out_rows: torch.Tensor
-                    ) -> tuple[list[DenoisedBlock], torch.Tensor, torch.Tensor]:
-    """The step's blocks and, over all their rows that reached the model output (in
-    request order): each row's output index and its (block, position) pair [n, 2]."""
+                    ) -> tuple[list[RequestRows], list[int], torch.Tensor, torch.Tensor]:
+    """The step's denoised blocks (their requests' rows), how many of each block's
+    positions reached the model output, and over all those rows (in request order): each
+    row's output index and its (block, position) pair [n, 2]."""
     entries = [(r, s) for r, s in zip(rows, step.requests) if r.request is not None]
     if not entries:
-        return [], torch.empty(0, dtype=torch.long), torch.empty(0, 2, dtype=torch.long)
+        return [], [], torch.empty(0, dtype=torch.long), torch.empty(0, 2, dtype=torch.long)
     # A few rows per block: mapped in Python, made tensors once.
     output_index = [-1] * step.num_rows  # step row -> its row of the output
     for output_row, step_row in enumerate(out_rows.tolist()):
         output_index[step_row] = output_row
-    blocks, index, where = [], [], []
+    counts, index, where = [], [], []
     for block, (r, s) in enumerate(entries):
         count = 0
         for step_row, position in zip(s.block_rows.tolist(), s.block_positions.tolist()):
@@ -259,6 +252,6 @@ def denoised_blocks(rows: list[RequestRows], step: ForwardStep, out_rows: torch.
                 index.append(output_index[step_row])
                 where.append((block, position))
                 count += 1
-        blocks.append(DenoisedBlock(r, count))
-    return (blocks, torch.tensor(index, dtype=torch.long),
+        counts.append(count)
+    return ([r for r, _ in entries], counts, torch.tensor(index, dtype=torch.long),
             torch.tensor(where, dtype=torch.long).view(len(where), 2))
