@@ -1,8 +1,9 @@
 """Standard vs FOCUS, side by side in one run, per block size and batch size.
 
-Workload: chat-formatted prompts from the evaluation split, the task families interleaved
-(a ShareGPT-like mix of short questions with answers of 10-60 tokens), greedy. For each
-block size and round, one engine per policy, the two policies alternating
+Workload: the model's scored evaluation prompts, greedy (``harness.scored_prompts``): on the
+converted default (the default model) its definite questions, on a toy model (``--model
+embedded`` or a directory) the evaluation split's task families interleaved. For each
+block size (default: the model's own) and round, one engine per policy, the two policies alternating
 (``harness.alternate``); for each batch size, that many requests are submitted at once
 (max_num_seqs equal to the largest batch). Reported per cell: block positions computed per
 committed token (layers 0-1, and after eviction: the layers FOCUS reduces), denoising
@@ -10,7 +11,8 @@ steps, output tokens/s (the median over the rounds, each round's figure kept), t
 FOCUS/standard throughput ratio of the medians, and the exact-match accuracy of each
 policy's answers. JSON and a PNG plot.
 
-    python benchmarks/focus_bench.py [--model DIR] [--block-sizes 16 32 64] [--batch-sizes 8 32 64]
+    python benchmarks/focus_bench.py [--model DIR|embedded] [--block-sizes 16 32]
+        [--batch-sizes 8 32 64] [--threshold 0.8]
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import harness
 POLICIES = ("standard", "focus")
 
 
-def run_cell(llm, prompts: list[str], max_tokens: int, options: dict) -> dict:
+def run_cell(llm, prompts: list, max_tokens: int, options: dict) -> dict:
     from vllm import SamplingParams
 
     params = SamplingParams(temperature=0, max_tokens=max_tokens, extra_args=options or None)
@@ -47,17 +49,16 @@ def median_of_rounds(rounds: list[dict]) -> dict:
                                              "output_tokens_per_s_rounds")}
 
 
-def policy_engine(policy: str, block: int, args, model: str, examples, options) -> dict:
+def policy_engine(policy: str, block: int, args, model: str, options) -> dict:
     """One engine of ``policy`` through every batch size: ``{batch: cell}``."""
     from vllm_diffusion_lab.offline import diffusion_llm
-    from vllm_diffusion_lab.quality.harness import chat_prompts
 
     largest = max(args.batch_sizes)
     with diffusion_llm(model, diffusion_block_size=block, max_model_len=1024,
                        max_num_seqs=largest,
                        max_num_batched_tokens=max(4096, 4 * block * largest),
                        additional_config={"diffusion_policy": policy}) as llm:
-        prompts = chat_prompts(llm.get_tokenizer(), examples)
+        prompts = harness.scored_prompts(model, llm.get_tokenizer(), largest).prompts
         run_cell(llm, prompts[:4], args.max_tokens, options)  # warm-up
         return {batch: run_cell(llm, prompts[:batch], args.max_tokens, options)
                 for batch in args.batch_sizes}
@@ -66,21 +67,25 @@ def policy_engine(policy: str, block: int, args, model: str, examples, options) 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     harness.add_common_options(parser, out="results/focus_bench.json", batch_sizes=[8, 32, 64],
-                               rounds=3, max_tokens=96)
-    parser.add_argument("--block-sizes", type=int, nargs="+", default=[16, 32, 64])
-    parser.add_argument("--threshold", type=float, default=0.8)
+                               rounds=3, max_tokens=96, model_default="default")
+    parser.add_argument("--block-sizes", type=int, nargs="+", default=None,
+                        help="default: the model's own")
+    parser.add_argument("--threshold", type=float, default=None,
+                        help="the threshold rule at this threshold (default: the model's "
+                             "declared decoding defaults)")
     args = parser.parse_args()
-
-    from vllm_diffusion_lab.quality.corpus import mixed_eval_examples, score
+    from transformers import AutoTokenizer
 
     model = harness.model_path(args)
-    examples = mixed_eval_examples(max(args.batch_sizes))
-    options = {"strategy": "threshold", "threshold": args.threshold}
+    block_sizes = args.block_sizes or [harness.model_config(model).block_size]
+    scored = harness.scored_prompts(model, AutoTokenizer.from_pretrained(model),
+                                    max(args.batch_sizes))
+    options = ({} if args.threshold is None
+               else {"strategy": "threshold", "threshold": args.threshold})
     cells = []
-    for block in args.block_sizes:
+    for block in block_sizes:
         measured = harness.alternate(POLICIES, args.rounds, functools.partial(
-            policy_engine, block=block, args=args, model=model, examples=examples,
-            options=options))
+            policy_engine, block=block, args=args, model=model, options=options))
         per_batch = {p: harness.by_batch(measured[p]) for p in POLICIES}
         for batch in args.batch_sizes:
             cell = {"block_size": block, "batch_size": batch,
@@ -90,11 +95,11 @@ def main() -> None:
             for policy in POLICIES:
                 texts = cell[policy]["texts"]
                 cell[policy]["accuracy"] = sum(
-                    score(e.family, e.answer, t) for e, t in zip(examples, texts)) / len(texts)
+                    scored.score(i, t) for i, t in enumerate(texts)) / len(texts)
             cell["identical_outputs"] = sum(a == b for a, b in zip(
                 cell["standard"].pop("texts"), cell["focus"].pop("texts")))
             cells.append(cell)
-            print(f"B={block:>2} batch={batch:>2}: later-layer positions/token "
+            print(f"B={block} batch={batch:>2}: later-layer positions/token "
                   f"{cell['standard']['block_positions_per_token_later_layers']:.2f} -> "
                   f"{cell['focus']['block_positions_per_token_later_layers']:.2f}, "
                   f"throughput x{cell['throughput_ratio']:.2f}")

@@ -7,7 +7,7 @@ time of the whole run. The paper reports about 1% of step latency on GPUs with
 billion-parameter models; on this project's tiny CPU models the model's own compute is
 small, so the share here is an upper bound of what larger models would see.
 
-    python benchmarks/focus_overhead.py [--model DIR] [--block-size 32] [--batch-size 32]
+    python benchmarks/focus_overhead.py [--model DIR|embedded] [--block-size B] [--batch-size 32]
         [--compiled] [--rounds 3]
 
 ``--compiled``: the engine at vLLM's default compilation (FOCUS's layers between its hook
@@ -27,8 +27,9 @@ from step_timing import StepClock, share_of_wall, share_report
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     harness.add_common_options(parser, out="results/focus_overhead.json", rounds=1,
-                               max_tokens=96)
-    parser.add_argument("--block-size", type=int, default=32)
+                               max_tokens=96, model_default="default")
+    parser.add_argument("--block-size", type=int, default=None,
+                        help="default: the model's own")
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--compiled", action="store_true")
     args = parser.parse_args()
@@ -39,8 +40,6 @@ def main() -> None:
     from vllm_diffusion.policies.focus import hooks
     from vllm_diffusion.step.rows import StepRows
     from vllm_diffusion_lab.offline import diffusion_llm
-    from vllm_diffusion_lab.quality.corpus import mixed_eval_examples
-    from vllm_diffusion_lab.quality.harness import chat_prompts
 
     clock = StepClock()
     clock.wrap(hooks.FocusStepHooks, "__init__", "hook_setup")
@@ -49,10 +48,11 @@ def main() -> None:
     clock.wrap(StepRows, "keep_keys", "metadata_compaction")
     clock.wrap(StepRun, "_keep", "row_compaction")
     model = harness.model_path(args)
+    args.block_size = args.block_size or harness.model_config(model).block_size
     with diffusion_llm(model, diffusion_block_size=args.block_size, max_model_len=1024,
                        max_num_seqs=args.batch_size, enforce_eager=not args.compiled,
                        additional_config={"diffusion_policy": "focus"}) as llm:
-        prompts = chat_prompts(llm.get_tokenizer(), mixed_eval_examples(args.batch_size))
+        prompts = harness.scored_prompts(model, llm.get_tokenizer(), args.batch_size).prompts
         params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
         reports = share_of_wall(llm, prompts, params, args.rounds, clock)
     report = share_report({"model": model, "block_size": args.block_size,

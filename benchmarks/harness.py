@@ -27,9 +27,11 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 def add_common_options(parser, *, out: str, batch_sizes: Sequence[int] | None = None,
                        rounds: int | None = None, max_tokens: int | None = None,
-                       model: bool = True) -> None:
+                       model: bool = True,
+                       model_default: str | None = None) -> None:
     """``--out`` (relative to the repository root by default), and each of ``--batch-sizes``,
-    ``--rounds``, ``--max-tokens`` and ``--model`` whose default is given."""
+    ``--rounds``, ``--max-tokens`` and ``--model`` whose default is given (``--model``'s
+    own default: ``model_default``, the embedded model where None)."""
     if batch_sizes is not None:
         parser.add_argument("--batch-sizes", type=int, nargs="+", default=list(batch_sizes))
     if rounds is not None:
@@ -39,10 +41,11 @@ def add_common_options(parser, *, out: str, batch_sizes: Sequence[int] | None = 
     if max_tokens is not None:
         parser.add_argument("--max-tokens", type=int, default=max_tokens)
     if model:
-        parser.add_argument("--model", default=None,
-                            help="checkpoint directory, or 'default': the converted SmolLM2 "
-                                 "(tools/build_smollm2.py --converted); default: the "
-                                 "embedded SDAR model, checkpoints/sdar-small-chat")
+        parser.add_argument("--model", default=model_default,
+                            help="checkpoint directory; 'default': the converted SmolLM2 "
+                                 "(tools/build_smollm2.py --converted); 'embedded': the "
+                                 "embedded SDAR model, checkpoints/sdar-small-chat; "
+                                 f"default: {model_default or 'embedded'}")
     parser.add_argument("--out", type=pathlib.Path, default=ROOT / out)
 
 
@@ -70,7 +73,53 @@ def model_path(args) -> str:
 
     if args.model == "default":
         return str(default_model_path())
-    return str(args.model or embedded_model_path())
+    if args.model in (None, "embedded"):
+        return str(embedded_model_path())
+    return str(args.model)
+
+
+def model_config(model: str) -> Any:
+    """The checkpoint's configuration as the engine reads it (the plugin's configs
+    registered), e.g. its ``block_size``."""
+    from transformers import AutoConfig
+
+    from vllm_diffusion.models.configs import register_hf_configs
+
+    register_hf_configs()
+    return AutoConfig.from_pretrained(model)
+
+
+@dataclasses.dataclass
+class ScoredPrompts:
+    """A model's evaluation prompts, each with its family and a scorer: the converted
+    default's definite questions (``vllm_diffusion_lab.real_model.evaluation_set``), or the
+    toy models' evaluation split (the task families interleaved)."""
+
+    prompts: list[Any]  # what ``LLM.generate`` takes: token-id dicts or strings
+    families: list[str]
+    score: Callable[[int, str], bool]  # (prompt index, answer text) -> correct
+
+
+def scored_prompts(model: str, tokenizer, count: int) -> ScoredPrompts:
+    """``count`` scored prompts for ``model`` (the converted default, or a toy model)."""
+    from vllm_diffusion.default_model import converted_model_dir
+
+    if pathlib.Path(model).resolve() == converted_model_dir().resolve():
+        from vllm_diffusion_lab.real_model.evaluation import STOP, chat_prompt_ids
+        from vllm_diffusion_lab.real_model.evaluation_set import (DEFINITE_QUESTIONS,
+                                                                  score_definite)
+
+        questions = [DEFINITE_QUESTIONS[i % len(DEFINITE_QUESTIONS)] for i in range(count)]
+        ids = chat_prompt_ids(tokenizer, [q.prompt for q in questions])
+        return ScoredPrompts([{"prompt_token_ids": p} for p in ids],
+                             [q.kind for q in questions],
+                             lambda i, text: score_definite(questions[i], text.split(STOP)[0]))
+    from vllm_diffusion_lab.quality.corpus import mixed_eval_examples, score
+    from vllm_diffusion_lab.quality.harness import chat_prompts
+
+    examples = mixed_eval_examples(count)
+    return ScoredPrompts(chat_prompts(tokenizer, examples), [e.family for e in examples],
+                         lambda i, text: score(examples[i].family, examples[i].answer, text))
 
 
 def autoregressive_counterpart(checkpoint: pathlib.Path, into: pathlib.Path) -> pathlib.Path:
