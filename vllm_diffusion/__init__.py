@@ -1,8 +1,7 @@
 """vllm-diffusion: serve block-diffusion language models with vLLM.
 
-``register()`` is vLLM's general-plugin entry point. vLLM calls it in every process (API
-server, engine core, workers), so it is idempotent and cheap: models are registered by
-import path and only imported where a model is built.
+``register()`` is vLLM's general-plugin entry point, called in every process: idempotent
+and cheap (models are registered by import path).
 """
 
 __version__ = "0.1.0"

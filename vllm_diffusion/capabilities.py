@@ -1,12 +1,8 @@
-"""What a model family's forward and decoding need, and what a policy does, declared once
-and compared by one check.
-
-A family declares its ``ModelCapabilities`` (``models/configs.py``, from the checkpoint's
-configuration); a policy declares its ``PolicyTraits`` for given options
-(``PolicyConfig.traits``). ``refusal`` compares them: at start-up with the engine's
-options, and for every request with its effective options. ``request_refusal`` adds what
-a family's decoding rules out for a request's sampling parameters. Nothing here names a
-family: the rules are stated on the declared properties.
+"""What a model family's forward and decoding need (``ModelCapabilities``, declared in
+``models/configs.py``) and what a policy does with given options (``PolicyTraits``, from
+``PolicyConfig.traits``), compared by one check: ``refusal``, at start-up and for every
+request; ``request_refusal`` adds what a family's decoding rules out for a request's
+sampling parameters. Nothing here names a family (docs/extending.md, "A new model family").
 """
 
 from __future__ import annotations
@@ -16,12 +12,8 @@ from collections.abc import Mapping
 from typing import Any
 
 
-# Full attention's KV between a block's steps (Fast-dLLM, NVlabs/Fast-dLLM ``llada/
-# generate.py``): ``recompute`` the published loop (every step computes every position);
-# ``prefix`` and ``dual`` refresh the KV of every position with a full forward at a block's
-# first step, then compute the block and the canvas after it (``prefix``: the prompt and
-# earlier blocks read from the refresh) or the block alone (``dual``: the canvas after it
-# too), so later steps see KV up to one block old.
+# Full attention's KV between a block's steps: the published loop, or Fast-dLLM's caches
+# (docs/models.md, "Fast-dLLM's caches")
 CACHE_MODES = ("recompute", "prefix", "dual")
 
 
@@ -30,34 +22,21 @@ class ModelCapabilities:
     """What serving a model family needs (the defaults: SDAR's block diffusion)."""
 
     family: str  # named in refusals
-    # how a block's rows attend: "block_causal" (the committed prefix and their own
-    # block, whose KV is cached once the block ends)
-    attention: str = "block_causal"
-    # the committed prefix's KV is exactly what a full recomputation would give
-    exact_kv: bool = True
-    # position i's logits predict token i + 1 (autoregressive-initialised models): a
-    # block's logits come from the rows one before it; under block-causal attention a
-    # block's first position is read from the previous block's last row, computed when
-    # that block is committed (``worker/shifted_plan.py``)
-    shifted_logits: bool = False
-    # the published loop decodes the whole canvas (``max_new_tokens``) as one block: the
-    # family's configuration gives a block size that holds it, and a request's
-    # ``max_tokens`` is at most the block size (``request_refusal``)
-    whole_canvas: bool = False
+    attention: str = "block_causal"  # "block_causal" (prefix and own block) or "full"
+    exact_kv: bool = True  # the committed prefix's KV is what a recomputation would give
+    shifted_logits: bool = False  # position i's logits predict token i + 1
+    whole_canvas: bool = False  # the published loop decodes the whole canvas as one block
     # (DELETE, SPLIT) ids where the model's edits move tokens within a block (the block
     # then decodes by a loop that can rewrite it); None where positions are fixed
     edit_tokens: tuple[int, int] | None = None
-    # experts are chosen per routing block of this many tokens, from all of its tokens:
-    # every forward computes whole blocks, and a diffusion block holds whole routing
-    # blocks (None: per-token routing or dense)
+    # experts chosen per routing block of this many tokens, from all of them: every forward
+    # computes whole blocks (None: per-token routing or dense)
     routing_block_size: int | None = None
-    # the family's published decoding settings, as policy option defaults (below what the
-    # engine's options set)
+    # the family's published decoding settings, as policy option defaults
     option_defaults: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     # those of its published block loop under Fast-dLLM's caches (above option_defaults)
     cached_option_defaults: Mapping[str, Any] = dataclasses.field(default_factory=dict)
-    # unmasking options the checkpoint itself declares, tuned for its weights (config.json
-    # 'diffusion_option_defaults'; above both, below the engine's options)
+    # config.json 'diffusion_option_defaults' (above both, below the engine's options)
     checkpoint_option_defaults: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
     def under_cache(self, cache_mode: str) -> ModelCapabilities:
@@ -75,9 +54,7 @@ class ModelCapabilities:
 
     @property
     def needs_whole_blocks(self) -> bool:
-        """Every forward computes whole blocks: experts are routed per block, every
-        position attends to the whole sequence, which each step recomputes, or each
-        position's logits are read from the row before it."""
+        """Every forward computes whole blocks (``whole_blocks_reason``)."""
         return self.whole_blocks_reason is not None
 
     @property
@@ -95,8 +72,7 @@ class ModelCapabilities:
 
     def attention_span(self, block_size: int, max_model_len: int) -> int:
         """The size of the aligned spans whose rows attend to each other and to every
-        earlier span: the diffusion block (block-causal), or a span holding the whole
-        sequence (full attention: every row of a request sees all of its keys)."""
+        earlier span: the diffusion block, or (full attention) the whole sequence."""
         if self.attention == "full":
             return -(-max_model_len // block_size) * block_size
         return block_size
@@ -122,19 +98,15 @@ class PolicyTraits:
     # whether it decodes models whose logits are shifted (the planner reads a block's
     # logits one row earlier than the rows the policy plans)
     shifted_logits: bool = False
-    # whether, where logits are shifted, its forwards that compute part of a block (its
-    # plans, its dropped rows) keep the row before every masked position they decode, so
-    # that the shift alone does not make it compute whole blocks
+    # whether, where logits are shifted, its partial-block forwards keep the row before
+    # every masked position they decode (so the shift alone needs no whole blocks)
     shifted_partial_blocks: bool = False
-    # why some forward computes only a run of a block's positions that starts at a known
-    # one (the active sub-block; every masked position's row before it is computed, so
-    # shifted logits are served), or None
+    # why some forward computes only a run of a block's positions from a known one (the
+    # active sub-block; served under shifted logits), or None
     sub_block_rows: str | None = None
 
 
-# What the engine's step serves today: the attention regimes its backend computes, over an
-# exact committed prefix; logits that predict their own position, or the next (the
-# planner reads a block's logits from the rows one before it).
+# The attention regimes the engine's backend computes (over an exact committed prefix).
 SERVED_ATTENTION = ("block_causal", "full")
 
 
@@ -151,11 +123,9 @@ def model_refusal(model: ModelCapabilities) -> str | None:
 def refusal(model: ModelCapabilities, policy: Any, options: Mapping[str, Any],
             given: Mapping[str, Any] | None = None, block_size: int | None = None,
             cache_mode: str = "recompute") -> str | None:
-    """Why ``policy`` (a policy class) with ``options`` (absent ones take their defaults)
-    cannot serve ``model``, or None. ``given``: the options the user set (default
-    ``options``), where an option that only applies to other models is refused;
-    ``block_size``: the diffusion block size, checked where known (start-up);
-    ``cache_mode``: the engine's ``diffusion_cache_mode``."""
+    """Why ``policy`` (a policy class) with ``options`` (absent ones: defaults) cannot serve
+    ``model``, or None. ``given``: the options the user set (default ``options``), where
+    one for other models is refused; ``block_size``: checked where known (start-up)."""
     traits = policy.config_cls.traits(options)
     if model.attention not in traits.attention_regimes:
         return (f"the {policy.name} policy cannot serve {model.family}, which attends "
@@ -225,9 +195,8 @@ _FIXED_POSITION_FEATURES = (
 
 def request_refusal(model: ModelCapabilities, params: Any, block_size: int | None = None
                     ) -> tuple[str, str] | None:
-    """(parameter, why) where ``params`` asks for what the model's decoding cannot give,
-    or None. ``block_size``: the diffusion block size, which holds a whole-canvas
-    family's canvas (checked where ``params.max_tokens`` is set)."""
+    """(parameter, why) where ``params`` asks for what the model's decoding cannot give, or
+    None. ``block_size``: the diffusion block size (a whole-canvas family's canvas)."""
     if (model.whole_canvas and block_size is not None and params.max_tokens is not None
             and params.max_tokens > block_size):
         return ("max_tokens", (

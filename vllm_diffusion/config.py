@@ -1,33 +1,12 @@
 """Engine-wide diffusion configuration, resolved once at start-up, and per-request options.
 
-Engine-wide options come from ``--additional-config`` (``LLM(additional_config=...)``) or
-``--diffusion-policy``; keys are ``diffusion_policy``, ``diffusion_block_size``,
-``mask_token_id``, ``diffusion_row_buckets`` (row counts a forward pads to after a policy
-drops rows, for CUDA graphs), ``diffusion_max_steps_without_progress`` (a request that
-writes no token and ends no block in that many consecutive steps ends with an error),
-``diffusion_logits_memory_mib`` (the memory a step's logits may take at once: they are
-computed and reduced to proposals in chunks of requests within it),
-``diffusion_canvas_tokens`` (full-attention models: how far a request's canvas of masks
-reaches past its current block's start, a multiple of the block size; a longer output
-decodes with the canvas sliding ahead block by block), ``diffusion_cache_mode``
-(full-attention models: ``recompute``, the published loop, or Fast-dLLM's approximate
-``prefix`` and ``dual`` caches; ``capabilities.CACHE_MODES``), the limits on what multiplies one
-request's work (``diffusion_max_n``, ``diffusion_max_bad_words``,
-``diffusion_max_bad_word_tokens``, ``diffusion_max_grammar_chars``: ``request_limits.py``,
-where they are described and checked) and the chosen policy's options (``threshold``,
-``strategy``, ...; the policy's own engine-wide limits among them: ``max_post_steps_limit``,
-``max_steps_per_block_limit``).
-``diffusion_json_any_whitespace`` (JSON grammars allow whitespace between JSON tokens;
-by default they are compact: ``compact_json.py``) is engine-wide too.
-Per-request overrides of the policy's options come from ``SamplingParams.extra_args``
-(OpenAI ``vllm_xargs``).
-
-The options are validated once, where vLLM builds its configuration (``engine_setup.py``,
-in the API server or the offline ``LLM``'s process): the resulting ``DiffusionEngineConfig``
-replaces ``vllm_config.additional_config`` (which vLLM types ``dict | SupportsHash`` and
-hashes through ``compute_hash``) and reaches the engine core and the workers with the
-pickled ``VllmConfig``; they read it back as it is (``engine_config_from_vllm``). The
-policy's module is imported when the policy is first asked for (``policies.POLICIES``).
+Engine-wide options come from ``--additional-config`` or ``--diffusion-policy``
+(``ENGINE_KEYS`` and the policy's options; docs/usage.md, "Engine-wide options"); per-request
+overrides of the policy's options from ``SamplingParams.extra_args`` (OpenAI ``vllm_xargs``).
+They are validated once, where vLLM builds its configuration (``engine_setup.py``): the
+``DiffusionEngineConfig`` replaces ``vllm_config.additional_config`` (typed ``dict |
+SupportsHash``, hashed through ``compute_hash``) and reaches the engine core and the workers
+in the pickled ``VllmConfig`` (``engine_config_from_vllm``).
 """
 
 from __future__ import annotations
@@ -48,21 +27,15 @@ from vllm_diffusion.request_limits import LIMIT_KEYS, RequestLimits, parse_reque
 
 DEFAULT_BLOCK_SIZE = 4  # SDAR's default
 DEFAULT_LOGITS_MEMORY_MIB = 256
-# Every decoding the engine runs writes a token or ends a block in each step that computes
-# the leftmost undecided position of a request's block (the policies commit at least one
-# available position; a grammar commits its leftmost one); a step computing none of the
-# masked positions writes nothing. 64 leaves room far above any such run. A step that a
-# commit schedule leaves empty by design (``timestep_schedule``'s zero quotas,
-# ``StepDecision.idle``) is not counted: the schedule ends its block itself.
+# Every decoding writes a token in each step that computes a block's leftmost undecided
+# position; 64 leaves room far above a run of steps computing none (docs/limits.md).
 DEFAULT_MAX_STEPS_WITHOUT_PROGRESS = 64
-# Full attention: the canvas a request's step computes past its current block's start
-# (the published loops' gen_length in their examples: 256 for LLaDA and Dream).
+# Full attention: the canvas past the current block's start (LLaDA's and Dream's gen_length)
 DEFAULT_CANVAS_TOKENS = 256
 ENGINE_KEYS = ("diffusion_policy", "diffusion_block_size", "mask_token_id",
                "diffusion_logits_memory_mib", "diffusion_row_buckets",
                "diffusion_max_steps_without_progress", "diffusion_canvas_tokens",
-               "diffusion_cache_mode",
-               *LIMIT_KEYS, ANY_WHITESPACE_KEY)
+               "diffusion_cache_mode", *LIMIT_KEYS, ANY_WHITESPACE_KEY)
 # Per-request keys that are not policy options; ``diffusion_policy`` is checked separately.
 REQUEST_KEYS = ("diffusion_policy", "return_step_map")
 _REQUEST_RULES = {"return_step_map": Rule(bool)}
@@ -80,25 +53,18 @@ class DiffusionEngineConfig:
     mask_token_id: int
     policy_config: Any  # the policy's config dataclass, engine defaults
     logits_memory_mib: int = DEFAULT_LOGITS_MEMORY_MIB
-    # After a policy drops rows inside the forward, the rows that continue are padded up
-    # to the smallest of these counts that holds them (None: never padded). For CUDA
-    # graphs captured per count; padding rows are left out of attention, KV writes and
-    # outputs.
+    # After a policy drops rows inside the forward, the rows that continue are padded up to
+    # the smallest of these counts that holds them (for CUDA graphs; None: never padded)
     row_buckets: tuple[int, ...] | None = None
-    # A request that writes no token and ends no block in this many consecutive denoising
-    # steps ends with an error (no request runs forever)
+    # consecutive denoising steps without progress after which a request ends with an error
     max_steps_without_progress: int = DEFAULT_MAX_STEPS_WITHOUT_PROGRESS
-    # What the served model's family declares it needs (``models/configs.py``), resolved
-    # from its checkpoint at start-up
+    # what the served model's family declares it needs (``models/configs.py``)
     model: ModelCapabilities = ModelCapabilities(family="an unnamed model")
-    # Full attention: the canvas's reach past the current block's start (``CanvasGeometry``)
+    # full attention: the canvas's reach past the current block's start (``CanvasGeometry``)
     canvas_tokens: int = DEFAULT_CANVAS_TOKENS
-    # The largest n, bad words and grammar a request may ask for (``request_limits.py``)
-    limits: RequestLimits = RequestLimits()
-    # JSON grammars allow whitespace between JSON tokens (default: compact JSON,
-    # ``compact_json.py``)
-    json_any_whitespace: bool = False
-    # Full attention: the KV between a block's steps (``capabilities.CACHE_MODES``)
+    limits: RequestLimits = RequestLimits()  # ``request_limits.py``
+    json_any_whitespace: bool = False  # ``compact_json.py``
+    # full attention: the KV between a block's steps (``capabilities.CACHE_MODES``)
     cache_mode: str = "recompute"
 
     @property
@@ -115,19 +81,15 @@ class DiffusionEngineConfig:
 
     def to_dict(self) -> dict[str, Any]:
         """The options as ``additional_config`` keys (``parse_engine_options`` takes them)."""
-        return {
-            "diffusion_policy": self.policy_name,
-            "diffusion_block_size": self.block_size,
-            "mask_token_id": self.mask_token_id,
-            "diffusion_logits_memory_mib": self.logits_memory_mib,
-            "diffusion_row_buckets": self.row_buckets,
-            "diffusion_max_steps_without_progress": self.max_steps_without_progress,
-            "diffusion_canvas_tokens": self.canvas_tokens,
-            "diffusion_cache_mode": self.cache_mode,
-            **self.limits.to_options(),
-            ANY_WHITESPACE_KEY: self.json_any_whitespace,
-            **dataclasses.asdict(self.policy_config),
-        }
+        return {"diffusion_policy": self.policy_name, "diffusion_block_size": self.block_size,
+                "mask_token_id": self.mask_token_id,
+                "diffusion_logits_memory_mib": self.logits_memory_mib,
+                "diffusion_row_buckets": self.row_buckets,
+                "diffusion_max_steps_without_progress": self.max_steps_without_progress,
+                "diffusion_canvas_tokens": self.canvas_tokens,
+                "diffusion_cache_mode": self.cache_mode, **self.limits.to_options(),
+                ANY_WHITESPACE_KEY: self.json_any_whitespace,
+                **dataclasses.asdict(self.policy_config)}
 
     def request_policy_config(self, extra_args: Mapping[str, Any] | None) -> Any:
         """The policy options for one request: engine defaults overridden by extra_args."""
@@ -153,8 +115,7 @@ class DiffusionEngineConfig:
             raise OptionError(
                 f"{source}: option 'diffusion_policy' must be the server's policy "
                 f"{self.policy_name!r} (per-request policy switching is not supported), "
-                f"got {shown(requested)}"
-            )
+                f"got {shown(requested)}")
         refuse_unknown(overrides, {*option_names(self.policy.config_cls), *REQUEST_KEYS},
                        source, f" for policy {self.policy_name!r}")
         config = parse_options(self.policy.config_cls, overrides, source=source,
@@ -177,9 +138,8 @@ def wants_step_map(extra_args: Mapping[str, Any] | None) -> bool:
 
 
 def checked_checkpoint_defaults(model: ModelCapabilities, policy: type) -> dict[str, Any]:
-    """The checkpoint's own option defaults (config.json 'diffusion_option_defaults') that
-    ``policy`` takes, their values checked against its rules; a name no policy takes raises
-    ``OptionError`` naming the key (other policies are looked up only in that case)."""
+    """The checkpoint's option defaults (config.json 'diffusion_option_defaults') that
+    ``policy`` takes, checked; a name no policy takes raises ``OptionError``."""
     declared = model.checkpoint_option_defaults
     if not declared:
         return {}
@@ -200,18 +160,14 @@ def parse_engine_options(values: Mapping[str, Any], *, config_block_size: int | 
                          config_mask_token_id: int | None, vocab_size: int,
                          model: ModelCapabilities | None = None
                          ) -> DiffusionEngineConfig:
-    """Validate ``additional_config`` and resolve block size and mask token.
-    ``model``: what the served model's family declares (kept in the result); its
-    ``option_defaults`` (published generation settings) lie below what
-    ``additional_config`` sets."""
+    """Validate ``additional_config`` and resolve block size and mask token. ``model``'s
+    ``option_defaults`` lie below what ``additional_config`` sets."""
     source = "additional_config"
     values = dict(values)
     policy_name = values.pop("diffusion_policy", "standard")
     if policy_name not in POLICIES:
-        raise OptionError(
-            f"{source}: unknown diffusion policy {shown(policy_name)}; "
-            f"valid policies are {', '.join(sorted(POLICIES))}"
-        )
+        raise OptionError(f"{source}: unknown diffusion policy {shown(policy_name)}; "
+                          f"valid policies are {', '.join(sorted(POLICIES))}")
     policy = POLICIES[policy_name]
     block_size = values.pop("diffusion_block_size", None)
     if block_size is None:
@@ -223,13 +179,14 @@ def parse_engine_options(values: Mapping[str, Any], *, config_block_size: int | 
     if mask_token_id is None:
         raise OptionError(
             "the model has no mask token: its config.json has no 'mask_token_id' and its "
-            "tokenizer no mask_token; set additional_config 'mask_token_id'"
-        )
+            "tokenizer no mask_token; set additional_config 'mask_token_id'")
     mask_token_id = Rule(int, low=0, high=vocab_size - 1).check(
         "mask_token_id", mask_token_id, source)
-    logits_memory_mib = Rule(int, low=1, high=1 << 20).check(
-        "diffusion_logits_memory_mib",
-        values.pop("diffusion_logits_memory_mib", DEFAULT_LOGITS_MEMORY_MIB), source)
+
+    def positive(key: str, default: int) -> int:
+        return Rule(int, low=1, high=1 << 20).check(key, values.pop(key, default), source)
+
+    logits_memory_mib = positive("diffusion_logits_memory_mib", DEFAULT_LOGITS_MEMORY_MIB)
     row_buckets = values.pop("diffusion_row_buckets", None)
     if row_buckets is not None:
         if not isinstance(row_buckets, (list, tuple)) or not row_buckets:
@@ -240,13 +197,9 @@ def parse_engine_options(values: Mapping[str, Any], *, config_block_size: int | 
         if list(row_buckets) != sorted(set(row_buckets)):
             raise OptionError(f"{source}: option 'diffusion_row_buckets' must be increasing, "
                               f"got {list(row_buckets)}")
-    max_steps_without_progress = Rule(int, low=1, high=1 << 20).check(
-        "diffusion_max_steps_without_progress",
-        values.pop("diffusion_max_steps_without_progress", DEFAULT_MAX_STEPS_WITHOUT_PROGRESS),
-        source)
-    canvas_tokens = Rule(int, low=1, high=1 << 20).check(
-        "diffusion_canvas_tokens", values.pop("diffusion_canvas_tokens", DEFAULT_CANVAS_TOKENS),
-        source)
+    max_steps_without_progress = positive("diffusion_max_steps_without_progress",
+                                          DEFAULT_MAX_STEPS_WITHOUT_PROGRESS)
+    canvas_tokens = positive("diffusion_canvas_tokens", DEFAULT_CANVAS_TOKENS)
     cache_mode = values.pop("diffusion_cache_mode", "recompute")
     limits = parse_request_limits(values, source)
     json_any_whitespace = parse_any_whitespace(values, source)
@@ -270,14 +223,11 @@ def parse_engine_options(values: Mapping[str, Any], *, config_block_size: int | 
 
 
 def check_cache_mode(cache_mode: Any, model: ModelCapabilities, source: str) -> None:
-    """``diffusion_cache_mode`` is one of ``CACHE_MODES``; an approximate cache needs a
-    full-attention model."""
+    """One of ``CACHE_MODES``; an approximate cache needs a full-attention model."""
     if cache_mode not in CACHE_MODES:
         raise OptionError(f"{source}: option 'diffusion_cache_mode' must be one of "
                           f"{', '.join(CACHE_MODES)}, got {shown(cache_mode)}")
-    if cache_mode == "recompute":
-        return
-    if model.attention != "full":
+    if cache_mode != "recompute" and model.attention != "full":
         raise OptionError(f"{source}: option 'diffusion_cache_mode' {cache_mode!r} is for "
                           f"full-attention models; {model.family} attends block-causally "
                           "and keeps exact KV of its committed blocks")
@@ -291,8 +241,7 @@ def engine_config_from_vllm(vllm_config: Any) -> DiffusionEngineConfig:
     raise RuntimeError(
         "vllm-diffusion configuration was not resolved at start-up; is the model one of "
         f"the plugin's architectures ({', '.join(sorted(ARCHITECTURES))}) and the "
-        "vllm_diffusion plugin loaded?"
-    )
+        "vllm_diffusion plugin loaded?")
 
 
 def store_resolved(vllm_config: Any, config: DiffusionEngineConfig) -> None:

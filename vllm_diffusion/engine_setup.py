@@ -1,10 +1,7 @@
-"""Start-up configuration of vLLM for a block-diffusion checkpoint.
-
-``DiffusionModelConfigHook`` is installed in vLLM's per-architecture config hooks
-(``MODELS_CONFIG_MAP``) for the plugin's architectures (``architectures.py``). When vLLM builds its configuration it
-resolves and validates the diffusion options, stores them in ``additional_config`` (which
-every process receives), selects the diffusion scheduler and worker, and makes JSON
-grammars compact (``compact_json.py``).
+"""Start-up configuration of vLLM for a block-diffusion checkpoint: ``DiffusionModelConfigHook``
+(vLLM's ``MODELS_CONFIG_MAP``, for the plugin's architectures) resolves and validates the
+diffusion options, stores them in ``additional_config``, selects the diffusion scheduler
+and worker, and makes JSON grammars compact.
 """
 
 from __future__ import annotations
@@ -27,8 +24,6 @@ logger = init_logger(__name__)
 SCHEDULER_CLS = "vllm_diffusion.worker.scheduler.BlockDiffusionScheduler"
 CPU_WORKER_CLS = "vllm_diffusion.worker.cpu_worker.DiffusionCPUWorker"
 GPU_WORKER_CLS = "vllm_diffusion.worker.gpu_worker.DiffusionGPUWorker"
-
-
 CPU_KV_CACHE_BYTES = 1 << 30  # when none is given on CPU
 # Full attention: the step budget raised to at most this many rows by default (a larger
 # --max-num-batched-tokens batches more whole sequences per step)
@@ -56,10 +51,8 @@ def _tokenizer_mask_token_id(model_config: Any) -> int | None:
 def refuse_combination(model: ModelCapabilities, engine_options: dict[str, Any],
                        config: Any = None) -> None:
     """Raise ``ValueError`` where the chosen policy cannot serve the model
-    (``capabilities.refusal``, the check every request's options get): first with the
-    options as given (before they are parsed, so that the reason is the model's, not a
-    consequence of its option defaults), then, with ``config`` (the parsed configuration),
-    with the resolved options and the block size."""
+    (``capabilities.refusal``): with the options as given (so that the reason is the
+    model's, not its option defaults'), then, given ``config``, with the resolved ones."""
     policy = POLICIES.get(engine_options.get("diffusion_policy", "standard"))
     if policy is None:
         return  # parsing the options names the unknown policy
@@ -80,9 +73,7 @@ class DiffusionModelConfigHook(VerifyAndUpdateConfig):
 
         from vllm_diffusion.seams.log_filters import install_client_error_filters
 
-        # This process serves one of the plugin's models: its clients' mistakes are
-        # logged as one line (patches/README.md row 23).
-        install_client_error_filters()
+        install_client_error_filters()  # this process serves one of the plugin's models
         model_config = vllm_config.model_config
         hf_config = model_config.hf_config
         mask_token_id = getattr(hf_config, "mask_token_id", None)
@@ -104,8 +95,6 @@ class DiffusionModelConfigHook(VerifyAndUpdateConfig):
         block = config.block_size
         full_attention = model.attention == "full"
         if full_attention and vllm_config.cache_config.enable_prefix_caching:
-            # A prompt's KV depends on the canvas after it (every position attends to every
-            # other), so no request's KV can serve another's prompt.
             logger.info("vllm-diffusion: prefix caching disabled: %s attends over the whole "
                         "sequence, so a prompt's KV depends on the canvas after it",
                         model.family)
@@ -114,8 +103,7 @@ class DiffusionModelConfigHook(VerifyAndUpdateConfig):
             raise ValueError(
                 f"max_model_len ({model_config.max_model_len}) must be a multiple of the "
                 f"diffusion block size ({block}); use --max-model-len "
-                f"{model_config.max_model_len // block * block}"
-            )
+                f"{model_config.max_model_len // block * block}")
         policy = config.make_policy()
         policy.bind(model, hf_config, bool(vllm_config.cache_config.enable_prefix_caching))
         if vllm_config.speculative_config is not None:

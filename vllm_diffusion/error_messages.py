@@ -1,11 +1,7 @@
 """Every error message a request to the plugin's models gets is at most ``MESSAGE_LIMIT``
-bytes, whoever wrote it: the plugin's admission checks, vLLM's own validation on the
-same path (a backend's grammar error can quote a whole regex), or a failure in the step.
-
-A client's values are already cut where they are echoed (``options.shown``, 80
-characters; lists name their first few items and a count, ``options.listed``); the cap
-here is the guarantee at the exits (``seams/input_processor.py``,
-``seams/output_processor.py``, ``step/failures.py``).
+bytes, whoever wrote it (patches/README.md row 3). Echoed client values are already cut
+(``options.shown``, ``options.listed``); the cap here is the guarantee at the exits
+(``seams/input_processor.py``, ``seams/output_processor.py``, ``step/failures.py``).
 """
 
 from __future__ import annotations
@@ -27,13 +23,9 @@ def capped(message: str, limit: int = MESSAGE_LIMIT) -> str:
 
 def capped_error(err: Exception) -> Exception:
     """``err`` when its message fits; else an exception the server answers with the same
-    status, its message cut: a ``VLLMValidationError`` keeps its parameter (HTTP 400), a
-    ``GracefulHTTPError`` its status, a plain ``ValueError``, ``TypeError``,
-    ``OverflowError`` or ``NotImplementedError`` its type; another subclass of the first
-    three (answered 400 as they are) becomes a ``VLLMValidationError``, and any other
-    exception outside vLLM's typed errors a ``VLLMServerError`` (500, as the server
-    answers it) naming its type. vLLM's other typed errors carry their own statuses and
-    are returned as they are."""
+    status, its message cut: other subclasses of ``ValueError``, ``TypeError`` and
+    ``OverflowError`` (answered 400) become a ``VLLMValidationError``, other exceptions
+    outside vLLM's typed errors a ``VLLMServerError`` (500) naming their type."""
     from vllm.exceptions import (GracefulHTTPError, VLLMError, VLLMServerError,
                                  VLLMValidationError)
 
@@ -59,8 +51,7 @@ def capped_error(err: Exception) -> Exception:
 
 @contextlib.contextmanager
 def errors_capped() -> Iterator[None]:
-    """Re-raise an exception of the block with its message cut (``capped_error``), the
-    original as its cause."""
+    """Re-raise an exception of the block as ``capped_error`` makes it, from the original."""
     try:
         yield
     except Exception as err:

@@ -1,20 +1,14 @@
 """The engine's per-step diffusion counters, and their one encoding for vLLM's stats path.
 
-vLLM 0.32 declares no field a plugin can fill with its own per-step statistics: the
-scheduler's ``SchedulerStats`` has fixed fields, and the front end decodes it as that class
-(a subclass's extra fields are dropped between processes). So the counters ride in
-``SpecDecodingStats``, the field vLLM's native diffusion models use (patches/README.md row
-20): denoising steps in ``num_drafts``, canvas positions evaluated in
-``num_draft_tokens``, committed tokens in ``num_accepted_tokens``, and the plugin's own
-counters in ``num_draft_tokens_per_pos``, which vLLM's loggers do not read, behind a tag
-naming the layout's version::
+vLLM 0.32 declares no field for a plugin's per-step statistics, so the counters ride in
+``SpecDecodingStats`` (patches/README.md row 20): denoising steps in ``num_drafts``, canvas
+positions in ``num_draft_tokens``, committed tokens in ``num_accepted_tokens``, and the
+plugin's own in ``num_draft_tokens_per_pos`` (unread by vLLM's loggers), laid out as::
 
     [-LAYOUT_VERSION, positions_after_eviction, matcher_fills, matcher_accepts,
      chosen_chunk, substitutions, deletions, splits, layer 0, layer 1, ...]
 
-``encode_counters`` (the scheduler) and ``decode_counters`` (the front end's stat loggers)
-are the only two places that know that layout; ``decode_counters(encode_counters(c)) == c``.
-"""
+which ``encode_counters`` (the scheduler) and ``decode_counters`` (stat loggers) alone know."""
 
 from __future__ import annotations
 
@@ -22,8 +16,8 @@ import dataclasses
 
 from vllm.v1.spec_decode.metrics import SpecDecodingStats
 
-# Raise with any change of the layout below. The tag is negative so that no list of
-# counts (what vLLM itself puts in the field) can be mistaken for it.
+# Raise with any change of the layout. Negative, so no list of counts (vLLM's own use of
+# the field) can be mistaken for it.
 LAYOUT_VERSION = 1
 _TAG = -LAYOUT_VERSION
 # StepCounters' single counts in num_draft_tokens_per_pos, in this order after the tag

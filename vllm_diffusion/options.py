@@ -1,12 +1,10 @@
-"""Typed option parsing shared by engine-wide and per-request configuration.
-
-Every option set is a frozen dataclass whose fields carry their validation rule in
-``metadata["rule"]``. Parsing rejects unknown keys, wrong types and out-of-range values
-with a message that names the option and what is valid.
-"""
+"""Typed option parsing shared by engine-wide and per-request configuration: every option set
+is a frozen dataclass whose fields carry their validation ``Rule`` in ``metadata["rule"]``;
+errors name the option and what is valid."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 from collections.abc import Iterable, Mapping
@@ -78,17 +76,18 @@ class Rule:
         return " ".join(parts)
 
     def check(self, name: str, value: Any, source: str) -> Any:
+        must = f"{source}: option '{name}' must be"
         if value is None:
             if self.optional:
                 return None
-            raise OptionError(f"{source}: option '{name}' must be {self.describe()}, got null")
+            raise OptionError(f"{must} {self.describe()}, got null")
         if self.kind is tuple:
             return self._check_int_list(name, value, source)
         if self.kind is float and isinstance(value, int) and not isinstance(value, bool):
             try:
                 value = float(value)
             except OverflowError:
-                raise OptionError(f"{source}: option '{name}' must be {self.describe()}, "
+                raise OptionError(f"{must} {self.describe()}, "
                                   f"got an integer too large for a float") from None
         if isinstance(value, str) and self.kind is bool and value.lower() in ("true", "false"):
             value = value.lower() == "true"
@@ -96,32 +95,19 @@ class Rule:
         if self.kind is bool and type(value) is int and value in (0, 1):
             value = bool(value)
         if isinstance(value, str) and self.kind in (int, float):
-            try:
+            with contextlib.suppress(ValueError):
                 value = self.kind(value)
-            except ValueError:
-                pass
         if not isinstance(value, self.kind) or (self.kind is int and isinstance(value, bool)):
-            raise OptionError(
-                f"{source}: option '{name}' must be {self.describe()}, got {shown(value)}"
-            )
+            raise OptionError(f"{must} {self.describe()}, got {shown(value)}")
         # NaN compares false with every bound, so range checks alone would admit it.
         if self.kind is float and not math.isfinite(value):
-            raise OptionError(
-                f"{source}: option '{name}' must be a finite {self.describe()}, got {shown(value)}"
-            )
-        if self.choices is not None and value not in self.choices:
-            raise OptionError(
-                f"{source}: option '{name}' must be {self.describe()}, got {shown(value)}"
-            )
-        too_low = self.low is not None and (
-            value < self.low if self.low_inclusive else value <= self.low
-        )
-        if too_low or (self.high is not None and value > self.high):
-            raise OptionError(
-                f"{source}: option '{name}' must be {self.describe()}, got {shown(value)}"
-            )
+            raise OptionError(f"{must} a finite {self.describe()}, got {shown(value)}")
+        if ((self.choices is not None and value not in self.choices)
+                or (self.low is not None and (value < self.low if self.low_inclusive
+                                              else value <= self.low))
+                or (self.high is not None and value > self.high)):
+            raise OptionError(f"{must} {self.describe()}, got {shown(value)}")
         return value
-
 
     def _check_int_list(self, name: str, value: Any, source: str) -> tuple[int, ...]:
         items = value.split(",") if isinstance(value, str) else value
@@ -129,9 +115,8 @@ class Rule:
             raise OptionError(f"{source}: option '{name}' must be {self.describe()}, "
                               f"got {shown(value)}")
         item_rule = dataclasses.replace(self, kind=int, optional=False)
-        checked = [item_rule.check(name, item.strip() if isinstance(item, str) else item,
-                                   source) for item in items]
-        return tuple(checked)
+        return tuple(item_rule.check(name, item.strip() if isinstance(item, str) else item,
+                                     source) for item in items)
 
 
 def option(default: Any, rule: Rule) -> Any:
@@ -154,16 +139,10 @@ def option_names(cls: type) -> tuple[str, ...]:
 
 def parse_options(cls: type[T], values: Mapping[str, Any], *, source: str,
                   base: T | None = None) -> T:
-    """Build ``cls`` from ``values`` (all keys must be fields of ``cls``).
-
-    ``base`` supplies the values of fields that ``values`` does not mention.
-    """
+    """Build ``cls`` from ``values`` (all keys must be fields of ``cls``); ``base``
+    supplies the values of fields that ``values`` does not mention."""
     known = {f.name: f for f in dataclasses.fields(cls)}
     refuse_unknown(values, known, source)
-    checked = {
-        name: known[name].metadata["rule"].check(name, value, source)
-        for name, value in values.items()
-    }
-    if base is not None:
-        return dataclasses.replace(base, **checked)
-    return cls(**checked)
+    checked = {name: known[name].metadata["rule"].check(name, value, source)
+               for name, value in values.items()}
+    return cls(**checked) if base is None else dataclasses.replace(base, **checked)

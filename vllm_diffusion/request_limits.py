@@ -1,28 +1,8 @@
-"""Engine-wide limits on what multiplies one request's work, and the admission checks
-that refuse a request exceeding one (``VLLMValidationError``: HTTP 400 naming the limit
-and its value; the server goes on).
-
-Each limit is an ``--additional-config`` key, validated at start-up with the other engine
-options (``config.parse_engine_options``):
-
-- ``diffusion_max_n`` (default 16): a request's ``n``; each of its n outputs is decoded as
-  a request of its own (vLLM alone allows 16,384).
-- ``diffusion_max_bad_words`` (default 64): words in ``bad_words``, as given. vLLM
-  tokenizes each with and without a leading space (and caps those tokenizations at
-  ``VLLM_MAX_NUM_BAD_WORDS``, 128).
-- ``diffusion_max_bad_word_tokens`` (default 1024): the tokens of all of a request's bad
-  words' tokenizations together; the bad-words stage reads them at the positions where
-  they can match, every step. Bad words of more than ``CHARS_PER_TOKEN`` (16) characters
-  per token of this limit are refused before vLLM tokenizes them (tokenizing megabytes
-  takes seconds): to fit, their tokens would have to average more than 16 characters.
-- ``diffusion_max_grammar_chars`` (default 65,536): the characters of a request's
-  structured-output constraint (its JSON schema as JSON text, regex, grammar, structural
-  tag or choices together, with its whitespace pattern), which the grammar backend
-  compiles.
-
-The policies' step limits (``max_post_steps_limit``, ``max_steps_per_block_limit``) are
-engine-wide options of the policy's config (``policies/parts/strategy_config.py``), checked with the
-request's policy options.
+"""Engine-wide limits on what multiplies one request's work (``RequestLimits``: the
+``diffusion_max_*`` keys of ``--additional-config``, checked at start-up), and the admission
+checks that refuse a request over one with HTTP 400 naming the limit and its value
+(docs/limits.md, "Per-request limits"). The policies' step limits are options of their
+configs (``policies/parts/strategy_config.py``).
 """
 
 from __future__ import annotations
@@ -42,7 +22,7 @@ CHARS_PER_TOKEN = 16  # bad words' characters per token of the limit, checked un
 
 @dataclasses.dataclass(frozen=True)
 class RequestLimits:
-    """The largest values a request may ask for (see the module docstring)."""
+    """The largest values a request may ask for (docs/limits.md)."""
 
     max_n: int = option(16, Rule(int, low=1, high=16384))
     max_bad_words: int = option(64, Rule(int, low=0, high=1 << 16))
@@ -92,8 +72,7 @@ def grammar_chars(wanted: Any) -> dict[str, int]:
 
 def check_request_limits(params: Any, limits: RequestLimits) -> None:
     """What can be checked before vLLM tokenizes bad words or builds a grammar: ``n``, the
-    number of bad words and their characters, the size of the structured-output
-    constraint."""
+    bad words and their characters, the size of the structured-output constraint."""
     if params.n > limits.max_n:
         _refuse("n", f"n={params.n} asks for {params.n} outputs, each decoded as a request "
                      "of its own", "max_n", limits.max_n)

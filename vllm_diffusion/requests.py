@@ -1,8 +1,5 @@
-"""Admission checks for requests to a block-diffusion model.
-
-A sampling parameter the engine does not honour is rejected here, in the API process,
-with an error naming it (HTTP 400 from the server); nothing is silently ignored.
-"""
+"""Admission checks for requests to a block-diffusion model: a sampling parameter the engine
+does not honour is rejected in the API process with an error naming it (HTTP 400)."""
 
 from __future__ import annotations
 
@@ -74,8 +71,7 @@ def validate_sampling_params(params: Any, config: DiffusionEngineConfig) -> None
         if value is not None and in_use(value):
             raise VLLMValidationError(
                 f"{name}={shown(value)} is not supported by block-diffusion decoding: {what}",
-                parameter=name, value=shown(value),
-            )
+                parameter=name, value=shown(value))
     allowed = params.allowed_token_ids
     if allowed is not None and set(allowed) <= {config.mask_token_id}:
         raise VLLMValidationError(
@@ -134,13 +130,10 @@ def _check_structured_outputs(params: Any, config: DiffusionEngineConfig,
 
 
 def validate_satisfiable(params: Any, config: DiffusionEngineConfig, vocab_size: int) -> None:
-    """After vLLM resolved the request's stop tokens, bad words' tokenizations and an
-    unset ``max_tokens`` (the model length minus the prompt): refuse what the family's
-    decoding cannot give for the resolved values (a whole-canvas family's ``max_tokens``),
-    and what leaves no token for the first output position whatever the model proposes --
-    ``allowed_token_ids`` minus the mask token and every one-token bad word, minus the
-    stop tokens while ``min_tokens`` bars them. (What a grammar or neighbouring tokens
-    bar is known only in the step, which ends such a request with an error.)"""
+    """After vLLM resolved the request's stop tokens, bad words' tokenizations and an unset
+    ``max_tokens``: refuse what the family's decoding cannot give for the resolved values,
+    and what leaves no token for the first output position whatever the model proposes
+    (docs/limits.md, "Failure handling"; what a grammar bars is known only in the step)."""
     _refuse_for_model(params, config)
     allowed = None if params.allowed_token_ids is None else set(params.allowed_token_ids)
     barred = {config.mask_token_id}
@@ -173,5 +166,4 @@ def validate_prompt_ids(prompt_ids: Sequence[int] | None,
         raise VLLMValidationError(
             f"the prompt contains the mask token (id {config.mask_token_id}) at position "
             f"{position}; block-diffusion models reserve it for undecoded positions",
-            parameter="prompt",
-        )
+            parameter="prompt")

@@ -1,20 +1,10 @@
-"""vLLM attention backend for block-diffusion steps.
-
-The diffusion runner builds the attention's metadata itself for every step: one read-only
-view per layer (``BlockDiffusionMetadata``) in vLLM's forward context, made by whoever owns
-the step's rows (``step.rows.StepRows``: the step's run object on a step with hooks,
-``models/step_run.py``, else the step's forward) and shared by the layers whose rows are
-the same. The backend stores the keys/values of the view's key rows at its slots and runs
-block-causal attention for its query rows over each request's paged KV (the Triton kernel
-on CUDA through ``kernels.dispatch``; vLLM's own CPU attention kernel on CPU,
-``cpu_attention``, with the step-fixed plan the owner made, ``plan_step``; both have the
-signature of the torch reference and are tested against it). A hook may have dropped query
-rows before this layer (the layer still stores the keys/values of every row that entered
-it) and may have restricted the prefix keys that requests' block rows see
-(``key_selection``). The attention changes nothing it is given except its outputs: the
-attention output and, for a key selection with scoring requests, the view's
-``selected_prefix`` slot, which the rows' owner hands to the policy after this attention
-(a selection made before the forward: after the forward).
+"""vLLM attention backend for block-diffusion steps. Each layer reads a read-only view of
+the step's rows (``BlockDiffusionMetadata``) that the rows' owner publishes in the forward
+context (docs/models.md, "The model contract"), stores its key rows' keys/values and runs
+block-causal attention for its query rows (Triton on CUDA, ``kernels.dispatch``; vLLM's
+CPU kernel on CPU, ``cpu_attention``), optionally with a key selection (``key_selection``).
+It changes nothing but its outputs: the attention output and, for a key selection with
+scoring requests, the view's ``selected_prefix`` slot.
 """
 
 from __future__ import annotations

@@ -1,25 +1,9 @@
-"""Block-causal attention on CPU through vLLM's own CPU attention kernel.
-
-vLLM's ``cpu_attention_with_kv_cache`` attends ragged query runs over a paged cache, each
-run non-causally over its first ``seq_len`` keys. Block-causal attention is that, run by
-run: the rows of one request in one diffusion block form a segment whose keys are
-[0, min(kv_len, block end)) (a query at position q sees key k iff k < kv_len and
-k // B <= q // B). A step's segments, their key counts and vLLM's scheduler metadata are
-planned once (``plan_segments``) by the owner of the step's rows, which hands the plan to
-every layer in the layer's view while no row drops; each layer then makes one kernel call,
-with no padding and no per-request Python (``attend_segments``).
-
-The cache is in the split arrangement (``kernels.kv_pages``), which vLLM's portable
-kernels (``vec16``, or ``vec`` for pages of a multiple of 32 positions) read.
-``segmented_block_causal_attention`` has the signature of
-``kernels.block_attention.block_causal_attention`` and is tested against it on the
-kernel grid.
-
-Sparse-dLLM's key-sparse attention runs on the same kernel (``kept_pages_attention``, the
-signature of ``kernels.sparse_prefix.sparse_prefix_attention``): each sparse request's
-kept keys and values are copied once per layer and selection into a small paged cache of
-its own (``KeptKV.pages``), each call writes the block's keys after them, and the block's
-rows attend over that cache non-causally in one kernel call.
+"""Block-causal attention on CPU through vLLM's CPU attention kernel (non-causal over a
+segment's first ``seq_len`` keys): the rows of one request in one diffusion block form a
+segment seeing keys [0, min(kv_len, block end)), planned once per step (``plan_segments``)
+and attended per layer in one call (``attend_segments``). The cache is split
+(``kernels.kv_pages``), as vLLM's portable ``vec16`` / ``vec`` kernels read it.
+Sparse-dLLM's attention runs on the same kernel (``kept_pages_attention``).
 """
 
 from __future__ import annotations
@@ -83,21 +67,26 @@ def plan_segments(query_positions: torch.Tensor, query_start_loc: list[int],
     pages = block_table.cpu().to(torch.int32)
     if segment_request != list(range(len(kv_lens))):  # a request with several segments
         pages = pages[torch.tensor(segment_request, dtype=torch.long)]
+    return SegmentPlan(loc, seq_lens, pages, _scheduler_metadata(loc, seq_lens, num_heads,
+                                                                 kv_cache), num_rows)
+
+
+def _scheduler_metadata(loc: torch.Tensor, seq_lens: torch.Tensor, num_heads: int,
+                        kv_cache: torch.Tensor) -> torch.Tensor:
+    """vLLM's work split for non-causal segments (``loc`` [S + 1] int32 row offsets,
+    ``seq_lens`` [S] int32) over ``kv_cache``."""
     _, num_kv_heads, page_size, two_d = kv_cache.shape
-    metadata = ops.cpu_attn_get_scheduler_metadata(
-        num_reqs=len(starts), num_heads=num_heads, num_kv_heads=num_kv_heads,
+    return ops.cpu_attn_get_scheduler_metadata(
+        num_reqs=len(seq_lens), num_heads=num_heads, num_kv_heads=num_kv_heads,
         head_dim=two_d // 2, seq_lens=seq_lens, dtype=kv_cache.dtype, query_start_loc=loc,
         causal=False, sliding_window_size=-1, isa=portable_isa(page_size),
         enable_kv_split=False)
-    return SegmentPlan(loc, seq_lens, pages, metadata, num_rows)
 
 
 def write_kv_with_vllm(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                        slot_mapping: torch.Tensor) -> None:
     """``kernels.block_attention.write_kv`` through vLLM's CPU cache-write kernel (one call,
-    negative slots skipped), into the split arrangement its attention reads.
-
-    key, value: [T, H_kv, D]; slot_mapping: [T] int64."""
+    negative slots skipped); key, value: [T, H_kv, D]; slot_mapping: [T] int64."""
     key_cache, value_cache = _vllm_cache_halves(kv_cache)
     ops.cpu_attn_reshape_and_cache(key.to(kv_cache.dtype).contiguous(),
                                    value.to(kv_cache.dtype).contiguous(), key_cache,
@@ -153,12 +142,11 @@ def kept_pages_attention(query: torch.Tensor, kv_cache: torch.Tensor,
                          prefix_lens: list[int],
                          kept_kv: list[KeptKV] | None = None) -> torch.Tensor:
     """``sparse_prefix_attention`` through vLLM's CPU kernel over each request's store
-    (``KeptKV.pages``): filled with the kept positions' keys and values on its first call
-    (key slot t of KV head h holds that head's t-th kept position: the rows attend to the
-    store non-causally, so the order of keys does not matter), then each call writes the
-    block's keys after them and attends. Without stores, and where a request's block keys
-    [prefix_len, kv_len) reach over more than one diffusion block (its rows, at positions
-    from prefix_len on, may need a mask inside the block), the torch path runs."""
+    (``KeptKV.pages``), filled with the kept keys and values on its first call (slot t of
+    KV head h: that head's t-th kept position; attended non-causally, so their order does
+    not matter), the block's keys written after them at each call. The torch path runs
+    without stores, and where a request's block keys [prefix_len, kv_len) reach over more
+    than one diffusion block (its rows may need a mask inside the block)."""
     if kept_kv is None or any(p // diffusion_block_size < (n - 1) // diffusion_block_size
                               for p, n in zip(prefix_lens, kv_lens)):
         return compacted_sparse_prefix_attention(
@@ -174,7 +162,7 @@ def kept_pages_attention(query: torch.Tensor, kv_cache: torch.Tensor,
             _fill_kept_pages(store, *request.kept_kv(kept_index, views, heads), request.block,
                              kv_cache)
         if store.plan is None or store.plan.num_rows != rows.stop - rows.start:
-            store.plan = _store_plan(store, rows.stop - rows.start, query.shape[1], kv_cache)
+            store.plan = _store_plan(store, rows.stop - rows.start, query.shape[1])
         block_keys, block_values = request.block_kv(views, heads)  # [H_kv, n, D] each
         write_kv_with_vllm(store.pages, block_keys.transpose(0, 1),
                            block_values.transpose(0, 1), store.block_slots)
@@ -195,15 +183,10 @@ def _fill_kept_pages(store: KeptKV, keys: torch.Tensor, values: torch.Tensor, bl
     store.plan = None
 
 
-def _store_plan(store: KeptKV, rows: int, num_heads: int, kv_cache: torch.Tensor
-                ) -> SegmentPlan:
+def _store_plan(store: KeptKV, rows: int, num_heads: int) -> SegmentPlan:
     """vLLM's kernel plan for ``rows`` query rows over the whole store."""
     loc = torch.tensor([0, rows], dtype=torch.int32)
     seq_lens = torch.tensor([store.kept + len(store.block_slots)], dtype=torch.int32)
-    _, num_kv_heads, page_size, two_d = store.pages.shape
-    metadata = ops.cpu_attn_get_scheduler_metadata(
-        num_reqs=1, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=two_d // 2,
-        seq_lens=seq_lens, dtype=kv_cache.dtype, query_start_loc=loc, causal=False,
-        sliding_window_size=-1, isa=portable_isa(page_size), enable_kv_split=False)
     table = torch.arange(store.pages.shape[0], dtype=torch.int32)[None]
-    return SegmentPlan(loc, seq_lens, table, metadata, rows)
+    return SegmentPlan(loc, seq_lens, table,
+                       _scheduler_metadata(loc, seq_lens, num_heads, store.pages), rows)

@@ -17,15 +17,9 @@ def reduce_over_tensor_parallel_heads(scores: list[torch.Tensor | None]) -> list
     present = [s for s in scores if s is not None]
     if not present or get_tensor_model_parallel_world_size() == 1:
         return scores
-    total = tensor_model_parallel_all_reduce(torch.cat(present))
-    out, offset = [], 0
-    for s in scores:
-        if s is None:
-            out.append(None)
-            continue
-        out.append(total[offset:offset + len(s)])
-        offset += len(s)
-    return out
+    totals = iter(tensor_model_parallel_all_reduce(torch.cat(present)).split(
+        [len(s) for s in present]))
+    return [None if s is None else next(totals) for s in scores]
 
 
 def step_candidate_importance(query: torch.Tensor, key: torch.Tensor,

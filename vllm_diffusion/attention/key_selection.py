@@ -1,8 +1,7 @@
-"""Attention for a step with a key selection (``step.keys.KeySelection``), in two parts
-that change nothing they are given: the requests that select score their context
-(``score_prefixes``, whose result the backend puts in the layer view's output slot), then
-the block rows of the sparse requests attend to their kept context keys plus their block
-with the sparse kernel and every other row attends densely (``attend_with_key_selection``)."""
+"""Attention for a step with a key selection (``step.keys.KeySelection``): the scoring
+requests score their context (``score_prefixes``), then the sparse requests' block rows
+attend to their kept keys plus their block and every other row densely
+(``attend_with_key_selection``); neither changes what it is given."""
 
 from __future__ import annotations
 

@@ -1,16 +1,7 @@
-"""Block-causal attention over a paged KV cache: plain PyTorch reference implementation.
-
-One layer's cache: kv_cache [num_pages, num_kv_heads, page_size, 2 * head_size], its keys
-and values arranged as ``kv_pages`` says for its device (read through
-``kv_pages.key_value_views``).
-
-Rule (SDAR, aligned to absolute position 0): a query at position q attends to the key at
-position k iff ``k < kv_len`` of its request and ``k // B <= q // B`` (bidirectional inside
-a diffusion block of size B, causal across blocks). Requests are ragged: each brings its
-own number of query positions, at arbitrary positions. (Attention over a selection of the
-prefix keys is ``sparse_prefix``.)
-
-A Triton kernel for CUDA must keep these signatures; tests compare it with these functions.
+"""Block-causal attention over a paged KV cache: the plain PyTorch reference and the
+padded torch path (docs/kernels.md, "The ops"). One layer's cache: kv_cache [num_pages,
+num_kv_heads, page_size, 2 * head_size], read through ``kv_pages.key_value_views``; a
+query at position q sees key k iff ``k < kv_len`` and ``k // B <= q // B``.
 """
 
 from __future__ import annotations
@@ -83,8 +74,7 @@ def block_causal_attention(query: torch.Tensor, kv_cache: torch.Tensor,
     return output
 
 
-# Query runs longer than this (prompt prefill chunks) are attended one request per call,
-# so that the other requests' short runs are not padded to their length.
+# Query runs longer than this (prompt prefill chunks) are attended one request per call
 LONG_QUERY_RUN = 64
 
 
@@ -104,9 +94,8 @@ class PaddedRun:
 
 @dataclasses.dataclass
 class PaddedPlan:
-    """The per-step part of ``padded_block_causal_attention``: fixed for a step's rows,
-    whatever the layer (``plan_padded_attention``), applied per layer by
-    ``attend_padded``."""
+    """The step-fixed part of ``padded_block_causal_attention`` (``plan_padded_attention``),
+    applied per layer by ``attend_padded``."""
 
     runs: list[PaddedRun]
     num_rows: int
@@ -116,15 +105,9 @@ def padded_block_causal_attention(query: torch.Tensor, kv_cache: torch.Tensor,
                                   query_positions: torch.Tensor, query_start_loc: list[int],
                                   kv_lens: list[int], block_table: torch.Tensor,
                                   diffusion_block_size: int, scale: float) -> torch.Tensor:
-    """``block_causal_attention`` vectorised over requests (the CPU fast path).
-
-    Requests with short query runs are padded to the longest of them and attended in one
-    scaled-dot-product call, the query heads of each KV head stacked so that keys and
-    values are gathered once per KV head ([R, H_kv, group * max_queries, max_keys]); each
-    request with a long run (over ``LONG_QUERY_RUN`` rows) is attended in its own call.
-    The step-fixed part is ``plan_padded_attention``, which a caller may keep for every
-    layer of a step.
-    """
+    """``block_causal_attention`` vectorised over requests: short query runs padded to the
+    longest into one call ([R, H_kv, group * max_queries, max_keys]), each run over
+    ``LONG_QUERY_RUN`` rows in its own; ``plan_padded_attention`` is its step-fixed part."""
     plan = plan_padded_attention(query_positions, query_start_loc, kv_lens, block_table,
                                  diffusion_block_size, kv_cache.shape[2],
                                  query.shape[1] // kv_cache.shape[1])
@@ -206,9 +189,8 @@ def attend_padded(query: torch.Tensor, kv_cache: torch.Tensor, plan: PaddedPlan,
 
 def _attend_run(query: torch.Tensor, kv_cache: torch.Tensor, run: PaddedRun,
                 scale: float) -> torch.Tensor:
-    num_requests, max_queries, max_keys, group = run.shape
+    num_requests, max_queries, _, _ = run.shape
     num_rows, num_heads, head_size = query.shape
-    num_kv_heads = num_heads // group
     # [R, max_keys, H_kv, D] -> [R, H_kv, max_keys, D]
     keys, values = (view[run.key_pages, :, run.key_offsets].permute(0, 2, 1, 3).to(query.dtype)
                     for view in key_value_views(kv_cache))
@@ -217,14 +199,23 @@ def _attend_run(query: torch.Tensor, kv_cache: torch.Tensor, run: PaddedRun,
     else:
         padded_query = query.new_zeros(num_requests, max_queries, num_heads, head_size)
         padded_query[run.request_of_row, run.slot_of_row] = query
-    # The query heads sharing a KV head side by side: [R, H_kv, group * max_queries, D].
-    grouped_query = padded_query.view(num_requests, max_queries, num_kv_heads, group,
-                                      head_size).permute(0, 2, 3, 1, 4).reshape(
-        num_requests, num_kv_heads, group * max_queries, head_size)
-    out = torch.nn.functional.scaled_dot_product_attention(
-        grouped_query, keys, values, attn_mask=run.mask, scale=scale)  # [R, H_kv, G * Q, D]
-    out = out.view(num_requests, num_kv_heads, group, max_queries, head_size).permute(
-        0, 3, 1, 2, 4).reshape(num_requests, max_queries, num_heads, head_size)
+    out = grouped_attention(padded_query, keys, values, run.mask, scale)  # [R, Q, H, D]
     if run.request_of_row is None:
         return out.reshape(num_rows, num_heads, head_size)
     return out[run.request_of_row, run.slot_of_row]
+
+
+def grouped_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                      mask: torch.Tensor | None, scale: float) -> torch.Tensor:
+    """Scaled-dot-product attention of query [*, Q, H, D] over keys and values
+    [*, H_kv, K, D], the query heads of each KV head side by side ([*, H_kv, G * Q, D], as
+    ``mask``'s rows are); returns [*, Q, H, D]."""
+    *lead, rows, num_heads, head_size = query.shape
+    num_kv_heads = keys.shape[-3]
+    group = num_heads // num_kv_heads
+    grouped = query.reshape(*lead, rows, num_kv_heads, group, head_size).movedim(-4, -2)
+    out = torch.nn.functional.scaled_dot_product_attention(
+        grouped.reshape(*lead, num_kv_heads, group * rows, head_size), keys, values,
+        attn_mask=mask, scale=scale)
+    return out.view(*lead, num_kv_heads, group, rows, head_size).movedim(-2, -4).reshape(
+        *lead, rows, num_heads, head_size)

@@ -1,8 +1,5 @@
-"""Compaction of a step's row states to the rows kept after eviction.
-
-``compact_rows(hidden, residual, keep_rows)`` gathers the kept rows of the hidden states
-and the residual stream ([T, hidden] each) into new [T', hidden] tensors. The torch
-version runs everywhere; on CUDA a Triton kernel does both gathers in one launch.
+"""Compaction of a step's row states to the rows kept after eviction: ``compact_rows``
+gathers the kept rows of the hidden states and the residual stream ([T, hidden] each).
 """
 
 from __future__ import annotations

@@ -1,13 +1,7 @@
 """One dispatch for every kernel: ``kernel(name, device)`` is the op's Triton kernel for
-CUDA tensors and its vectorised torch path elsewhere.
-
-``KERNELS`` names, per op, the plain reference, the torch path and the Triton kernel as
-``module:function`` paths (all with the reference's signature); the tests and
-``tools/verify_kernels.py`` compare them. Triton modules are imported only when a CUDA
-tensor first asks for them. On CPU the attention backend runs vLLM's CPU attention kernel
-for ``block_attention`` (``attention/cpu_attention.py``, tested against the same
-reference); ``block_attention``'s torch path serves head sizes that kernel lacks, in its
-two parts (``plan_padded_attention`` once per step, ``attend_padded`` per layer).
+CUDA tensors and its vectorised torch path elsewhere. ``KERNELS`` names, per op, the
+reference, the torch path and the Triton kernel (``module:function``, one signature);
+Triton modules are imported only when a CUDA tensor first asks for them.
 """
 
 from __future__ import annotations

@@ -1,14 +1,7 @@
-"""Token importance inside a diffusion block (FOCUS, Eq. 2-3): plain PyTorch reference.
-
-For the candidate positions of one block (its masked positions, ordered by position),
-from q and k after q/k-norm and RoPE:
-
-    S[h, a, b]  = q_a . k_b * scale                     pre-softmax scores among candidates
-    S~[h, a, b] = max(S[h, a, b-1], S[h, a, b], S[h, a, b+1])   MaxPool1D over keys (kernel 3)
-    I[b]        = sum_h sum_a softmax_b(S~[h, a, :])[b]  total incoming attention
-
-and FOCUS's importance delta is ``I(layer 1) - I(layer 0)`` (``policies/focus/hooks.py``). Neighbours in the pooling are
-adjacent candidates (the compacted candidate list), as in the FOCUS implementation.
+"""Token importance inside a diffusion block (FOCUS, Eq. 2-3): plain PyTorch reference and
+the batched torch path. For one block's candidates (its masked positions, in order),
+I[b] = sum_h sum_a softmax_b(maxpool_b(q_a . k_b * scale))[b], the max-pool over adjacent
+candidates; docs/kernels.md, "The ops".
 """
 
 from __future__ import annotations

@@ -1,20 +1,8 @@
-"""How a layer's paged KV cache holds its keys and values, on each device.
-
-Every layer's cache is one allocation of shape [num_pages, H_kv, page_size, 2 * D]. Two
-arrangements fill it:
-
-- interleaved (CUDA; the Triton kernels): the key of page offset ``o`` at ``[.., o, :D]``
-  and its value at ``[.., o, D:]``;
-- split (CPU; what vLLM's CPU attention kernel reads with its portable ``vec`` / ``vec16``
-  code): per page and KV head, the page's keys transposed, [D, page_size], then its
-  values, [page_size, D].
-
-A cache's arrangement follows its device (``is_split``). Every torch reader and writer
-goes through ``key_value_views``, which gives both as [num_pages, H_kv, page_size, D]
-views, so the references and the torch paths do not depend on the arrangement.
-``to_split`` makes the split copy of an interleaved cache: a comparison running the
-Triton kernels on CPU tensors (Triton's interpreter) gives the torch code that copy
-(``interleaved_as_read_here``).
+"""How a layer's paged KV cache [num_pages, H_kv, page_size, 2 * D] holds its keys and
+values on each device: interleaved on CUDA (key of page offset ``o`` at ``[.., o, :D]``,
+its value at ``[.., o, D:]``), split on CPU (per page and KV head, the page's keys
+transposed, [D, page_size], then its values, [page_size, D]: what vLLM's CPU attention
+reads). Every torch reader and writer goes through ``key_value_views``; docs/kernels.md.
 """
 
 from __future__ import annotations

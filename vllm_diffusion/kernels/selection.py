@@ -1,23 +1,6 @@
-"""FOCUS token selection: torch references.
-
-Per request and denoising step, over the B positions of its block:
-
-- ``token_budget``: K = min(B, max(ceil(alpha * mean_decoded), N_sigma)) (FOCUS Eq. 4), where
-  N_sigma counts candidates whose importance delta is at least mean + std of the deltas.
-- ``select_retained``: the set S kept after layer 1: the top-K candidates by delta, their
-  left context (AR-context preservation, ``CONTEXT_RULES``), every
-  never-processed masked position left of the rightmost retained one (placeholder
-  integrity), and every decoded position that still needs recomputation. Never empty.
-
-Two context rules (AR-context preservation):
-
-- ``retained_left`` (the paper's Eq. 6, the default): the left neighbour of every retained
-  position, decoded or masked, joins S;
-- ``selected_left`` (the authors' serving code): only a masked candidate directly left of
-  a top-K selected candidate joins S.
-
-The engine batches selection over requests (``batched_select_retained``, or its Triton
-kernel on CUDA: ``dispatch.kernel("select_retained", device)``); tests check these pieces on hand-built inputs.
+"""FOCUS token selection, torch references: the token budget (``token_budget``, Eq. 4) and
+the retained set of a block (``select_retained``, with its two ``CONTEXT_RULES``), one
+request at a time and batched; the rules: docs/kernels.md, "The ops".
 """
 
 from __future__ import annotations

@@ -1,32 +1,7 @@
-"""Key-sparse attention over a paged KV cache (Sparse-dLLM): the plain PyTorch reference,
-the vectorised torch path and the selection of kept context positions.
-
-A request whose current block spans [prefix_len, kv_len) has KV at the positions before it
-(block diffusion: the exact committed prefix) and, under full attention with Fast-dLLM's
-dual cache, after it too (the canvas's cached KV, up to its end). At a layer, its block
-rows attend to the kept context positions of each KV head (``kept_index[r, h_kv]``:
-ascending, -1 padding; before or after the block) plus the keys of its block under the
-block-causal rule ([prefix_len, kv_len), key block <= query block; a full-attention
-model's span holds the whole sequence). Every other row of a step (prefill, commit,
-requests without a selection) attends densely, so committed KV stays exact.
-
-Selection (Sparse-dLLM Algorithm 5): the mean of the block's queries of each head scores
-every context key -- the positions before the block, then those after it, in that order
-(the authors' cache filtered of the block) -- by scaled dot product, no softmax; the
-scores are averaged over the query heads (one list for the layer, as the authors' code
-does; per KV head: over the heads of its group), max-pooled over that order (kernel s,
-stride 1, padding s // 2), and the top ``keep`` positions are kept, ties to the earlier.
-
-The Triton kernel (``triton_sparse_prefix``) has the signature of
-``sparse_prefix_attention``; tests compare the attention paths on a named grid. On CPU the
-backend runs vLLM's CPU kernel over a per-request store of the kept keys
-(``attention.cpu_attention.kept_pages_attention``, same signature) where it has a kernel
-for the head size; the torch path (``compacted_sparse_prefix_attention``) keeps each
-request's kept keys and values gathered once per layer and block (``KeptKV``, which the policy holds for the block: the
-kept positions' KV does not change while the selection stands), with room for the block's
-keys after them, so a step reads only its block's keys from the pages; without stores it
-gathers every call (``gathered_sparse_prefix_attention``). The reference and the Triton
-kernel take the stores and ignore them.
+"""Key-sparse attention over a paged KV cache (Sparse-dLLM): the selection of kept context
+positions (``select_prefix``), the plain PyTorch reference (``sparse_prefix_attention``)
+and the torch paths over each request's kept-key store (``KeptKV``) or without one.
+Semantics and the selection rule: docs/kernels.md, "The ops".
 """
 
 from __future__ import annotations
@@ -36,18 +11,8 @@ from collections.abc import Callable
 
 import torch
 
-from vllm_diffusion.kernels.block_attention import gather_kv
+from vllm_diffusion.kernels.block_attention import gather_kv, grouped_attention
 from vllm_diffusion.kernels.kv_pages import key_value_views
-
-
-def context_positions(prefix_len: int, suffix: tuple[int, int] | None,
-                      device: torch.device | None = None) -> torch.Tensor:
-    """[N] the positions a block's selection scores, in scoring order: [0, prefix_len),
-    then ``suffix`` ([block end, context end)) where the block has keys after it."""
-    before = torch.arange(prefix_len, device=device)
-    if suffix is None or suffix[1] <= suffix[0]:
-        return before
-    return torch.cat([before, torch.arange(suffix[0], suffix[1], device=device)])
 
 
 def select_prefix(block_query: torch.Tensor, kv_cache: torch.Tensor, page_ids: torch.Tensor,
@@ -64,7 +29,9 @@ def select_prefix(block_query: torch.Tensor, kv_cache: torch.Tensor, page_ids: t
     ranks' (tensor parallel), ``total_heads`` the heads over all ranks; H_sel is 1, or
     H_kv with ``per_kv_head``.
     """
-    positions = context_positions(prefix_len, suffix)  # [N]
+    positions = torch.arange(prefix_len)  # [N] in scoring order: the prefix, then the suffix
+    if suffix is not None and suffix[1] > suffix[0]:
+        positions = torch.cat([positions, torch.arange(suffix[0], suffix[1])])
     end = suffix[1] if positions.numel() > prefix_len else prefix_len
     keys, _ = gather_kv(kv_cache, page_ids, end)
     keys = keys[positions.to(keys.device)] if end > prefix_len else keys  # [N, H_kv, D]
@@ -87,12 +54,10 @@ def select_prefix(block_query: torch.Tensor, kv_cache: torch.Tensor, page_ids: t
 
 class KeptKV:
     """One request's kept context keys and values at one layer for the current selection
-    (the CPU paths' store), None until the first sparse step. The torch path keeps
-    ``keys`` and ``values``, [H_kv, K + n, D] each: the K kept positions in ascending order,
-    then room for the n block keys a step writes. vLLM's CPU kernel
-    (``attention.cpu_attention.kept_pages_attention``) keeps ``pages``, a small paged cache
-    of the request's own in the split arrangement ([P, H_kv, page_size, 2D]: the kept
-    positions at slots [0, K), the block's keys after them), and its call's ``plan``."""
+    (the CPU paths' store), None until the first sparse step: the torch path's ``keys``
+    and ``values``, [H_kv, K + n, D] each (the K kept positions ascending, then room for
+    the n block keys a step writes); vLLM's CPU kernel's ``pages``, a paged cache of the
+    request's own, split ([P, H_kv, page_size, 2D]: kept at slots [0, K), block after)."""
 
     def __init__(self) -> None:
         self.keys: torch.Tensor | None = None
@@ -104,19 +69,6 @@ class KeptKV:
         # ([1, n] pages, [1, n] offsets) of the block's keys in the request's pages: the
         # same at every layer and step while the store stands (``StoredRequest.block_kv``)
         self.block_where: tuple[torch.Tensor, torch.Tensor] | None = None
-
-
-def kept_positions_kv(kept: torch.Tensor, table: torch.Tensor,
-                      views: tuple[torch.Tensor, torch.Tensor], heads: torch.Tensor
-                      ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The keys and values, [H_kv, K, D] each, of one request's kept positions (kept:
-    [H_kv, K_w] ascending, -1 padding at the end; ``table`` its pages; ``views`` the
-    cache's ``key_value_views``; ``heads``: [H_kv, 1] the KV head indices)."""
-    count = int((kept[0] >= 0).sum())
-    kept = kept[:, :count]  # [H_kv, K]
-    page_size = views[0].shape[2]
-    pages, offsets = table[kept // page_size], kept % page_size
-    return views[0][pages, heads, offsets], views[1][pages, heads, offsets]
 
 
 @dataclasses.dataclass
@@ -132,9 +84,13 @@ class StoredRequest:
 
     def kept_kv(self, kept_index: torch.Tensor, views, heads: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Its kept positions' keys and values, [H_kv, K, D] each."""
-        return kept_positions_kv(kept_index[self.index].to(heads.device), self.table, views,
-                                 heads)
+        """Its kept positions' keys and values, [H_kv, K, D] each (``views``: the cache's
+        ``key_value_views``; ``heads``: [H_kv, 1] the KV head indices)."""
+        kept = kept_index[self.index].to(heads.device)  # [H_kv, K_w], -1 padding at the end
+        kept = kept[:, :int((kept[0] >= 0).sum())]  # [H_kv, K]
+        page_size = views[0].shape[2]
+        pages, offsets = self.table[kept // page_size], kept % page_size
+        return views[0][pages, heads, offsets], views[1][pages, heads, offsets]
 
     def block_kv(self, views, heads: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Its block's keys and values as the pages hold them now, [H_kv, n, D] each."""
@@ -207,11 +163,9 @@ def compacted_sparse_prefix_attention(query: torch.Tensor, kv_cache: torch.Tenso
                                       scale: float, kept_index: torch.Tensor,
                                       prefix_lens: list[int],
                                       kept_kv: list[KeptKV] | None = None) -> torch.Tensor:
-    """``sparse_prefix_attention`` over each request's ``KeptKV`` store (the CPU path):
-    the kept keys and values are gathered into it on its first call, and each call writes
-    its block's keys after them and attends over that store (a mask only where the rows
-    reach over more than one diffusion block). Without stores:
-    ``gathered_sparse_prefix_attention``."""
+    """``sparse_prefix_attention`` over each request's ``KeptKV`` store, filled on its first
+    call, the block's keys written after the kept ones at each call (a mask only where the
+    rows reach over more than one diffusion block); without stores: gathered."""
     if kept_kv is None:
         return gathered_sparse_prefix_attention(
             query, kv_cache, query_positions, query_start_loc, kv_lens, block_table,
@@ -238,8 +192,6 @@ def compacted_sparse_prefix_attention(query: torch.Tensor, kv_cache: torch.Tenso
         store.values[:, store.kept:] = block_values
         positions = torch.arange(prefix_lens[r], kv_lens[r], device=query.device)
         rows = end - start
-        grouped = query[start:end].view(rows, num_kv_heads, group, head_size).permute(
-            1, 2, 0, 3).reshape(num_kv_heads, group * rows, head_size)
         visible = None  # kept keys precede the rows' block (or share a full-attention span)
         row_blocks = query_positions[start:end].to(query.device) // diffusion_block_size
         if (kv_lens[r] - 1) // diffusion_block_size > int(row_blocks.min()):
@@ -248,11 +200,8 @@ def compacted_sparse_prefix_attention(query: torch.Tensor, kv_cache: torch.Tenso
             visible[:, store.kept:] = (positions[None] // diffusion_block_size
                                        <= row_blocks[:, None])
             visible = visible.repeat(group, 1)  # [G * rows, K + n]
-        out = torch.nn.functional.scaled_dot_product_attention(
-            grouped, store.keys, store.values, attn_mask=visible,
-            scale=scale)  # [H_kv, G * rows, D]
-        output[start:end] = out.view(num_kv_heads, group, rows, head_size).permute(
-            2, 0, 1, 3).reshape(rows, num_heads, head_size)
+        output[start:end] = grouped_attention(query[start:end], store.keys, store.values,
+                                              visible, scale)
     return output
 
 
@@ -289,7 +238,7 @@ def gathered_sparse_prefix_attention(query: torch.Tensor, kv_cache: torch.Tensor
     heads = torch.arange(num_kv_heads, device=device)[None, :, None]
     keys, values = (view[pages, heads, safe % page_size].to(query.dtype)  # [R, H_kv, N, D]
                     for view in key_value_views(kv_cache))
-    # Ragged rows -> [R, max_queries]; query heads of a KV head side by side.
+    # Ragged rows -> [R, max_queries]
     request_of_row = torch.repeat_interleave(torch.arange(num_requests, device=device), counts)
     slot_of_row = (torch.arange(num_rows, device=device)
                    - torch.tensor(query_start_loc[:-1], device=device)[request_of_row])
@@ -300,13 +249,6 @@ def gathered_sparse_prefix_attention(query: torch.Tensor, kv_cache: torch.Tensor
     row_block[request_of_row, slot_of_row] = query_positions.to(device) // diffusion_block_size
     visible = valid[:, :, None, :] & (
         safe[:, :, None, :] // diffusion_block_size <= row_block[:, None, :, None])  # [R,Hkv,Q,N]
-    grouped = padded.view(num_requests, max_queries, num_kv_heads, group, head_size)
-    grouped = grouped.permute(0, 2, 3, 1, 4).reshape(num_requests, num_kv_heads,
-                                                     group * max_queries, head_size)
     mask = visible[:, :, None].expand(-1, -1, group, -1, -1).reshape(
         num_requests, num_kv_heads, group * max_queries, -1)
-    out = torch.nn.functional.scaled_dot_product_attention(
-        grouped, keys, values, attn_mask=mask, scale=scale)  # [R, H_kv, G * Q, D]
-    out = out.view(num_requests, num_kv_heads, group, max_queries, head_size)
-    out = out.permute(0, 3, 1, 2, 4).reshape(num_requests, max_queries, num_heads, head_size)
-    return out[request_of_row, slot_of_row]
+    return grouped_attention(padded, keys, values, mask, scale)[request_of_row, slot_of_row]

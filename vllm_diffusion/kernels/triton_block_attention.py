@@ -1,11 +1,7 @@
-"""Triton kernel for block-causal attention over a paged KV cache (CUDA).
-
-Same signature and semantics as ``block_attention.block_causal_attention``; tests compare
-the two on a named grid of shapes (on CPU through ``TRITON_INTERPRET=1``). One program per
-(tile of up to ``BLOCK_M`` query rows of one request, head) streams the keys visible to
-any row of its tile page by page, ``BLOCK_N`` at a time, with an online softmax; scores
-and the weighted values are matrix products (tensor cores), each key tile read once for
-the tile's rows. The KV cache may have any strides (vLLM's layouts).
+"""Triton kernel for ``block_attention.block_causal_attention`` (CUDA; same signature and
+semantics). One program per (tile of up to ``BLOCK_M`` rows of one request, head) streams
+the keys its rows see, ``BLOCK_N`` at a time, with an online softmax and ``tl.dot``
+products, each key tile read once per tile; the KV cache may have any strides.
 """
 
 from __future__ import annotations
@@ -149,12 +145,9 @@ def plan_tiles(query_start_loc: list[int], kv_lens: list[int], device: torch.dev
 
 def launch_shape(query: torch.Tensor, head_size: int) -> dict:
     """The constexprs every kernel here shares: the padded head size (tl.dot needs 16 or
-    more), the key tile, and whether the products run in fp32 and how. fp32 inputs take
-    fp32 products (three TF32 products per product natively, ``tf32x3``: fp32-level error
-    on tensor cores). Under Triton's interpreter every dtype takes fp32 products
-    (``ieee``): its ``tl.dot`` on bf16/fp16 operands returns garbage (Triton 3.9), so the
-    interpreter checks the bf16/fp16 cases with fp32 products and only a native run checks
-    the tensor-core products."""
+    more), the key tile, and whether the products run in fp32 and how: ``tf32x3`` for fp32
+    inputs natively, ``ieee`` for every dtype under Triton's interpreter, whose ``tl.dot``
+    on bf16/fp16 returns garbage (docs/kernels.md)."""
     interpreted = os.environ.get("TRITON_INTERPRET") == "1"
     return {"BLOCK_D": max(16, triton.next_power_of_2(head_size)),
             "BLOCK_N": 64 if head_size <= 64 else 32,

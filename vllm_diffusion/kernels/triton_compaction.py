@@ -1,8 +1,4 @@
-"""Triton kernel: gather the kept rows of hidden states and residual in one launch (CUDA).
-
-Same signature and semantics as ``compaction.compact_rows``; tested against it on a named
-grid (on CPU through ``TRITON_INTERPRET=1``).
-"""
+"""Triton kernel for ``compaction.compact_rows``: both gathers in one launch (CUDA)."""
 
 from __future__ import annotations
 

@@ -1,10 +1,6 @@
-"""Triton kernel for FOCUS candidate importance (CUDA).
-
-Same signature and semantics as ``importance.batched_candidate_importance``; tests compare
-the two on a named grid of shapes (on CPU through ``TRITON_INTERPRET=1``). One program per
-(request, head) loads the request's candidate queries and keys (at most one diffusion
-block), forms the scores with neighbouring keys for the max-pool, applies the softmax over
-keys and sums over queries; the heads are summed afterwards.
+"""Triton kernel for ``importance.batched_candidate_importance`` (CUDA; same signature and
+semantics). One program per (request, head) scores the request's candidates against their
+pooling neighbours, softmaxes over keys and sums over queries; the heads are summed after.
 """
 
 from __future__ import annotations

@@ -1,9 +1,6 @@
-"""Triton kernel for FOCUS's retained-set selection (CUDA).
-
-Same signature and semantics as ``selection.batched_select_retained``; tests compare
-the two on a named grid (on CPU through ``TRITON_INTERPRET=1``). One program per request
-works on its block as a vector: candidate ranks come from pairwise comparisons (higher
-delta first, ties to the lower position), so no sort is needed.
+"""Triton kernel for ``selection.batched_select_retained`` (CUDA; same signature and
+semantics). One program per request ranks candidates by pairwise comparisons (higher delta
+first, ties to the lower position), so no sort is needed.
 """
 
 from __future__ import annotations

@@ -1,10 +1,7 @@
-"""Triton kernel for prefix-sparse attention over a paged KV cache (CUDA).
-
-Same signature and semantics as ``sparse_prefix.sparse_prefix_attention``; tests compare
-the two on a named grid of shapes (on CPU through ``TRITON_INTERPRET=1``). One program per
-(tile of one request's query rows, head) streams first the kept prefix positions of its KV
-head (an index list, so each key's page is looked up), then its block's keys, with one
-online softmax (``triton_block_attention``'s tiles and matrix products).
+"""Triton kernel for ``sparse_prefix.sparse_prefix_attention`` (CUDA; same signature and
+semantics). One program per (tile of one request's rows, head) streams the kept positions
+of its KV head (each key's page looked up), then its block's keys, with one online softmax
+(``triton_block_attention``'s tiles and products).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """What every family's model shares around its layers: the pre-norm layer body with the
-step run's hook points, the layer loop, and the ``ForCausalLM`` module (LM head, logits,
-weight loading)."""
+step run's hook points, a SwiGLU MLP, the layer loop, and the ``ForCausalLM`` module (LM
+head, logits, weight loading)."""
 
 from __future__ import annotations
 
@@ -11,6 +11,8 @@ import torch.nn as nn
 
 from vllm.config import VllmConfig
 from vllm.distributed import get_pp_group
+from vllm.model_executor.layers.activation import SiluAndMul
+from vllm.model_executor.layers.linear import MergedColumnParallelLinear, RowParallelLinear
 from vllm.model_executor.layers.logits_processor import LogitsProcessor
 from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
 from vllm.model_executor.models.utils import AutoWeightsLoader, WeightsMapper, maybe_prefix
@@ -22,11 +24,15 @@ from vllm_diffusion.models.step_run import StepRun
 class PreNormHalves:
     """A pre-norm residual layer (``input_layernorm`` -> attention ->
     ``post_attention_layernorm`` -> ``mlp``, vLLM's fused add-and-norm) in its two halves
-    around the attention (``attention_module``, which the family's layer names). A step
-    without hooks runs ``forward``; a step with hooks runs the halves, its hook points
-    between them (``layer_segments``)."""
+    around the attention (the attribute ``attention_name``). A step without hooks runs
+    ``forward``; a step with hooks runs the halves, its hook points between them
+    (``layer_segments``)."""
 
-    attention_module: nn.Module
+    attention_name = "self_attn"
+
+    @property
+    def attention_module(self) -> nn.Module:
+        return getattr(self, self.attention_name)
 
     def attention_inputs(self, positions: torch.Tensor, hidden: torch.Tensor,
                          residual: torch.Tensor | None
@@ -56,6 +62,28 @@ class PreNormHalves:
                 residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         return self.attention_output(positions,
                                      *self.attention_inputs(positions, hidden, residual))
+
+
+class SwiGLUMLP(nn.Module):
+    """``down_proj(silu(gate) * up)``, the gate and the up packed in ``gate_up_proj``
+    (shards 0 and 1)."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool,
+                 vllm_config: VllmConfig, prefix: str, reduce_results: bool = True) -> None:
+        super().__init__()
+        self.gate_up_proj = MergedColumnParallelLinear(
+            hidden_size, [intermediate_size] * 2, bias=bias,
+            quant_config=vllm_config.quant_config, prefix=f"{prefix}.gate_up_proj")
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=bias,
+                                           quant_config=vllm_config.quant_config,
+                                           reduce_results=reduce_results,
+                                           prefix=f"{prefix}.down_proj")
+        self.act_fn = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate_up, _ = self.gate_up_proj(x)
+        x, _ = self.down_proj(self.act_fn(gate_up))
+        return x
 
 
 def run_layers(model: nn.Module, input_ids: torch.Tensor, positions: torch.Tensor,

@@ -1,11 +1,7 @@
-"""Hugging Face configuration classes for SDAR and LLaDA2 checkpoints, and the registry of
-every family's configuration and capabilities.
-
-SDAR is Qwen3 (and SDAR-MoE is Qwen3-MoE) with a block-diffusion mask and a mask token;
-LLaDA2 is the Ling-2.0 (BailingMoeV2) architecture with one; Fast-dLLM v2 is in
-``fast_dllm_v2_config``, the full-attention families (LLaDA 1.x, Dream) in
-``full_attention_configs``. Registering these lets ``model_type: sdar`` / ``sdar_moe`` /
-``llada2_moe`` / ``Fast_dLLM_Qwen`` / ``llada`` / ``Dream`` load without remote code.
+"""Hugging Face configuration classes for SDAR (Qwen3 / Qwen3-MoE with a block-diffusion
+mask and a mask token) and LLaDA2 (Ling-2.0) checkpoints, and the registry of every
+family's configuration and capabilities, so that every family's ``model_type`` loads
+without remote code.
 """
 
 import dataclasses
@@ -48,10 +44,9 @@ class SDARMoeConfig(Qwen3MoeConfig):
 
 class LLaDA2MoeConfig(PretrainedConfig):
     """The published ``configuration_llada2_moe.py`` fields and defaults (``use_qk_norm``
-    True, as the published forward always normalises q/k), plus the router fields the
-    published checkpoints carry as extra keys, and the diffusion ones: ``block_size``
-    (LLaDA2's published 32 unless the checkpoint names one) and ``mask_token_id`` (None
-    unless named: real checkpoints carry neither; the tokenizer's ``<|mask|>`` is used)."""
+    True: the published forward always normalises q/k), the router fields its checkpoints
+    carry as extra keys, and ``block_size`` (the published 32) and ``mask_token_id`` (None:
+    real checkpoints carry neither; the tokenizer's ``<|mask|>`` is used) unless named."""
 
     model_type = "llada2_moe"
     keys_to_ignore_at_inference = ["past_key_values"]
@@ -72,54 +67,27 @@ class LLaDA2MoeConfig(PretrainedConfig):
                  moe_router_enable_expert_bias=True, block_size=32, mask_token_id=None,
                  expert_capacity=0, delete_token_id=None, split_token_id=None,
                  **kwargs):
-        self.vocab_size = vocab_size
-        self.hidden_size = hidden_size
-        self.intermediate_size = intermediate_size
-        self.num_hidden_layers = num_hidden_layers
-        self.num_attention_heads = num_attention_heads
-        self.num_key_value_heads = num_key_value_heads
-        self.hidden_act = hidden_act
-        self.use_qkv_bias = use_qkv_bias
-        self.use_qk_norm = use_qk_norm
-        self.use_bias = use_bias
-        self.rms_norm_eps = rms_norm_eps
-        self.norm_head = norm_head
-        self.embedding_dropout = embedding_dropout
-        self.attention_dropout = attention_dropout
-        self.output_dropout = output_dropout
-        self.initializer_range = initializer_range
-        self.max_position_embeddings = max_position_embeddings
-        self.rope_theta = rope_theta
-        self.use_cache = use_cache
-        self.use_sliding_window = use_sliding_window
+        # every published field keeps its name (``rotary_dim`` is ignored by the published
+        # forward); LLaDA2.2: block routing (per routing block of ``block_size`` tokens, the
+        # best ``expert_capacity`` experts form the pool each token picks from) when > 0, and
+        # the edit tokens of its joint decoding
+        given = locals()
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                     "num_attention_heads", "num_key_value_heads", "hidden_act",
+                     "use_qkv_bias", "use_qk_norm", "use_bias", "rms_norm_eps", "norm_head",
+                     "embedding_dropout", "attention_dropout", "output_dropout",
+                     "initializer_range", "max_position_embeddings", "rope_theta",
+                     "use_cache", "use_sliding_window", "max_window_layers", "rope_scaling",
+                     "num_experts", "num_shared_experts", "num_experts_per_tok", "n_group",
+                     "topk_group", "routed_scaling_factor", "moe_intermediate_size",
+                     "first_k_dense_replace", "output_router_logits", "partial_rotary_factor",
+                     "rotary_dim", "norm_topk_prob", "score_function", "router_dtype",
+                     "moe_router_enable_expert_bias", "block_size", "mask_token_id",
+                     "expert_capacity", "delete_token_id", "split_token_id"):
+            setattr(self, name, given[name])
         # Off unless enabled, as Qwen2's config does (vLLM reads ``sliding_window``).
         self.sliding_window = sliding_window if use_sliding_window else None
-        self.max_window_layers = max_window_layers
-        self.rope_scaling = rope_scaling
-        self.num_experts = num_experts
-        self.num_shared_experts = num_shared_experts
-        self.num_experts_per_tok = num_experts_per_tok
-        self.n_group = n_group
-        self.topk_group = topk_group
-        self.routed_scaling_factor = routed_scaling_factor
-        self.moe_intermediate_size = moe_intermediate_size
-        self.first_k_dense_replace = first_k_dense_replace
         self.head_dim = head_dim or hidden_size // num_attention_heads
-        self.output_router_logits = output_router_logits
-        self.partial_rotary_factor = partial_rotary_factor
-        self.rotary_dim = rotary_dim  # published but ignored by the published forward
-        self.norm_topk_prob = norm_topk_prob
-        self.score_function = score_function
-        self.router_dtype = router_dtype
-        self.moe_router_enable_expert_bias = moe_router_enable_expert_bias
-        self.block_size = block_size
-        self.mask_token_id = mask_token_id
-        # LLaDA2.2: block routing (per routing block of ``block_size`` tokens, the best
-        # ``expert_capacity`` experts form the pool each token picks from) when > 0, and
-        # the edit tokens of its joint decoding
-        self.expert_capacity = expert_capacity
-        self.delete_token_id = delete_token_id
-        self.split_token_id = split_token_id
         super().__init__(pad_token_id=pad_token_id, tie_word_embeddings=tie_word_embeddings,
                          **kwargs)
 

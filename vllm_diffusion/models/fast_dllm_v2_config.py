@@ -1,18 +1,9 @@
 """Hugging Face configuration of Fast-dLLM v2 (``model_type: Fast_dLLM_Qwen``;
-``Efficient-Large-Model/Fast_dLLM_v2_7B`` and ``_1.5B``), and its capabilities.
-
-Fast-dLLM v2 is Qwen2.5 fine-tuned into a block-diffusion model: its configuration is
-Qwen2's plus ``bd_size`` (the diffusion block, 32). The mask and stop tokens are not
-configuration keys: the published ``generate`` takes ``mask_id=151665`` and
-``stop_token=151645`` (``<|im_end|>``) as arguments; ``mask_token_id`` defaults to that
-mask id here unless the checkpoint names one, and the stop token comes from the
-checkpoint's ``generation_config.json`` (its EOS ids) as for every family.
-
-Its logits are shifted (Qwen2.5's autoregressive head: row t predicts token t + 1), and
-its published decoding (``generate``, ``v2/run_chatbot.py``'s settings) is sub-blocks of
-8 left to right inside each block, committing the most confident masked position of the
-active sub-block and every one above 0.9: the ``threshold`` strategy with
-``sub_block_size`` 8, as option defaults.
+``Efficient-Large-Model/Fast_dLLM_v2_7B`` and ``_1.5B``), and its capabilities: Qwen2's
+configuration plus ``bd_size`` (the diffusion block). The mask and stop tokens are not
+configuration keys but arguments of the published ``generate`` (``mask_id=151665``,
+``stop_token=151645``): the mask id is the default here, the stop tokens come from the
+checkpoint's ``generation_config.json`` as for every family.
 """
 
 from __future__ import annotations

@@ -1,17 +1,7 @@
-"""Hugging Face configuration classes for the full-attention families, LLaDA 1.x and Dream.
-
-- ``LLaDAConfig`` (``model_type: llada``): the fields and defaults of the published
-  ``configuration_llada.py`` (its ``ModelConfig``, OLMo-style names: ``d_model``,
-  ``n_heads``, ``n_layers``, ...), with the names vLLM reads as aliases or properties.
-- ``DreamConfig`` (``model_type: Dream``): Qwen2's configuration with the published
-  ``configuration_dream.py`` defaults (``use_cache`` off, ``mask_token_id`` 151666,
-  ``pad_token_id`` 151643), and the engine's block size (``block_size``, not a published
-  key: the whole canvas, 256).
-
-Both families attend fully (every position to every other) and decode a whole canvas
-(LLaDA in semi-autoregressive blocks, Dream as one block);
-``FULL_ATTENTION_CAPABILITIES`` declares them (``configs.FAMILY_CAPABILITIES``).
-"""
+"""Hugging Face configuration classes for the full-attention families (every position
+attends to every other): LLaDA 1.x (``model_type: llada``) and Dream (``model_type:
+Dream``), and their capabilities (``FULL_ATTENTION_CAPABILITIES``, in
+``configs.FAMILY_CAPABILITIES``)."""
 
 from __future__ import annotations
 
@@ -23,22 +13,12 @@ from vllm_diffusion.capabilities import ModelCapabilities
 
 
 class LLaDAConfig(PretrainedConfig):
-    """The published LLaDA configuration. Every published field keeps its name and its
-    published default (GPT-2-sized, as the published ``ModelConfig``: real checkpoints name
-    every field) except the vocabulary and special tokens, whose defaults are
-    LLaDA-8B's: ``vocab_size`` / ``embedding_size`` 126464, ``eos_token_id`` /
-    ``pad_token_id`` 126081 and ``mask_token_id`` 126336 (``<|mdm_mask|>``, the id
-    ``generate.py`` uses; the published default is GPT-2's EOS 50256 for all three ids).
-
-    vLLM's names: ``hidden_size`` (``d_model``), ``num_attention_heads`` (``n_heads``),
-    ``num_hidden_layers`` (``n_layers``), ``max_position_embeddings``
-    (``max_sequence_length``) and ``tie_word_embeddings`` (``weight_tying``) are aliases;
-    ``num_key_value_heads`` (``n_kv_heads``, or 1 / ``n_heads`` as
-    ``multi_query_attention`` says where it is None), ``intermediate_size``
-    (``mlp_hidden_size`` or ``mlp_ratio * d_model``) and ``head_dim`` (``d_model //
-    n_heads``) are derived. ``vocab_size`` is the number of embedding rows the weights
-    have, ``embedding_size`` where set (it may exceed the tokenizer's vocabulary, as the
-    published model allows); the published ``vocab_size`` stays in ``text_vocab_size``."""
+    """The published ``configuration_llada.py`` (its ``ModelConfig``): every field keeps its
+    name and published default (GPT-2-sized) except the vocabulary and special tokens,
+    whose defaults are LLaDA-8B's (published: GPT-2's EOS 50256 for all three ids). vLLM's
+    names are aliases (``attribute_map``) or derived (properties below); ``vocab_size`` is
+    the embedding rows, ``embedding_size`` where set (it may exceed the tokenizer's
+    vocabulary), the published ``vocab_size`` staying in ``text_vocab_size``."""
 
     model_type = "llada"
     keys_to_ignore_at_inference = ["past_key_values"]
@@ -62,37 +42,22 @@ class LLaDAConfig(PretrainedConfig):
                  init_device=None, init_fn="normal", init_std=0.02, init_cutoff_factor=None,
                  precision=None, use_cache=False, text_vocab_size=None, block_size=32,
                  **kwargs):
-        self.d_model = d_model
-        self.n_heads = n_heads
-        self.n_kv_heads = n_kv_heads
-        self.n_layers = n_layers
-        self.mlp_ratio = mlp_ratio
-        self.mlp_hidden_size = mlp_hidden_size
-        self.activation_type = activation_type
-        self.block_type = block_type
-        self.block_group_size = block_group_size
-        self.alibi = alibi
-        self.alibi_bias_max = alibi_bias_max
-        self.rope = rope
-        self.rope_full_precision = rope_full_precision
-        self.flash_attention = flash_attention
-        self.attention_dropout = attention_dropout
-        self.multi_query_attention = multi_query_attention
-        self.attention_layer_norm = attention_layer_norm
-        self.residual_dropout = residual_dropout
-        self.embedding_dropout = embedding_dropout
-        self.input_emb_norm = input_emb_norm
-        self.layer_norm_type = layer_norm_type
-        self.layer_norm_with_affine = layer_norm_with_affine
-        self.rms_norm_eps = rms_norm_eps
-        self.attention_layer_norm_with_affine = attention_layer_norm_with_affine
-        self.max_sequence_length = max_sequence_length
-        self.train_max_sequence_length = train_max_sequence_length
-        self.rope_theta = rope_theta
-        self.include_qkv_bias = include_qkv_bias
-        self.include_bias = include_bias
-        self.bias_for_layer_norm = bias_for_layer_norm
-        self.scale_logits = scale_logits
+        # every published field keeps its name; ``block_size`` is not a published key: the
+        # engine's diffusion block (``generate.py``'s ``block_length``, 32 in its examples)
+        # unless the checkpoint names one
+        given = locals()
+        for name in ("d_model", "n_heads", "n_kv_heads", "n_layers", "mlp_ratio",
+                     "mlp_hidden_size", "activation_type", "block_type", "block_group_size",
+                     "alibi", "alibi_bias_max", "rope", "rope_full_precision",
+                     "flash_attention", "attention_dropout", "multi_query_attention",
+                     "attention_layer_norm", "residual_dropout", "embedding_dropout",
+                     "input_emb_norm", "layer_norm_type", "layer_norm_with_affine",
+                     "rms_norm_eps", "attention_layer_norm_with_affine", "max_sequence_length",
+                     "train_max_sequence_length", "rope_theta", "include_qkv_bias",
+                     "include_bias", "bias_for_layer_norm", "scale_logits", "mask_token_id",
+                     "block_size", "init_device", "init_fn", "init_std", "init_cutoff_factor",
+                     "precision", "use_cache"):
+            setattr(self, name, given[name])
         # a saved config carries both: the published vocabulary and the embedding rows
         self.text_vocab_size = text_vocab_size if text_vocab_size is not None else vocab_size
         if embedding_size is not None and embedding_size < self.text_vocab_size:
@@ -100,16 +65,6 @@ class LLaDAConfig(PretrainedConfig):
                              f"vocab_size ({self.text_vocab_size})")
         self.embedding_size = embedding_size
         self.vocab_size = embedding_size or self.text_vocab_size
-        self.mask_token_id = mask_token_id
-        # not a published key: the engine's diffusion block (``generate.py``'s
-        # ``block_length``, 32 in its examples) unless the checkpoint names one
-        self.block_size = block_size
-        self.init_device = init_device
-        self.init_fn = init_fn
-        self.init_std = init_std
-        self.init_cutoff_factor = init_cutoff_factor
-        self.precision = precision
-        self.use_cache = use_cache
         kwargs.setdefault("architectures", ["LLaDAModelLM"])
         super().__init__(eos_token_id=eos_token_id, pad_token_id=pad_token_id,
                          tie_word_embeddings=weight_tying, **kwargs)
@@ -147,12 +102,10 @@ class LLaDAConfig(PretrainedConfig):
 
 
 class DreamConfig(Qwen2Config):
-    """Qwen2's configuration under ``model_type: Dream`` with the published defaults.
-    ``mask_token_id`` is read from ``config.json`` (Dream's ``generation_config.json``
-    has ``mask_token_id: null``). ``block_size`` is not a published key: the engine's
-    diffusion block, which holds the whole canvas (``diffusion_generate`` decodes all
-    ``max_new_tokens`` positions as one block), 256 (the engine's default
-    ``diffusion_canvas_tokens``, a multiple of it) unless the checkpoint names one."""
+    """Qwen2's configuration with the published ``configuration_dream.py`` defaults;
+    ``mask_token_id`` is read from ``config.json`` (Dream's ``generation_config.json`` has
+    ``mask_token_id: null``). ``block_size`` is not a published key: the engine's block,
+    the whole canvas, 256 (the default ``diffusion_canvas_tokens``) unless named."""
 
     model_type = "Dream"
 
@@ -164,27 +117,18 @@ class DreamConfig(Qwen2Config):
 
 
 def _llada_capabilities(config: Any) -> ModelCapabilities:
-    """LLaDA 1.x: full attention, logits predict their own position. Its published decoding
-    (``generate.py``: ``low_confidence`` remasking, the top quota of each block's masks by
-    the argmax's probability; ``steps`` = ``gen_length`` in its examples, one token per
-    step: the engine's ``denoising_steps`` default, the block size; ``block_length`` is
-    the configuration's ``block_size``)."""
+    """LLaDA 1.x: full attention, logits predict their own position; decoded as
+    ``generate.py`` (docs/models.md, "LLaDA 1.x")."""
     return ModelCapabilities(family="LLaDA", attention="full",
                              option_defaults={"strategy": "low_confidence_static"})
 
 
 def _dream_capabilities(config: Any) -> ModelCapabilities:
-    """Dream: full attention, position j's logits come from row j - 1 (its autoregressive
-    initialisation), and the whole canvas is one block (``whole_canvas``). Its published
-    decoding (``diffusion_generate``): the ``timestep_schedule`` strategy (``steps`` is
-    the engine's ``denoising_steps``, ``eps`` 1e-3). Its ``alg`` defaults to ``origin``
-    in the published ``DreamGenerationConfig``, which draws random numbers even at
-    temperature 0 and is not served; the engine's default is ``maskgit_plus`` (the
-    proposal's probability). Dream's README example asks for ``alg="entropy"`` (a
-    request option here). Under Fast-dLLM's caches its block loop
-    (``generation_utils_block.py``) ranks the schedule's masks by negative entropy
-    whatever the ``alg`` (other than its ``confidence_threshold``, the engine's
-    ``threshold`` strategy): ``alg`` defaults to ``entropy`` there."""
+    """Dream: full attention, position j's logits from row j - 1, the whole canvas one
+    block, decoded as ``diffusion_generate``. ``alg``: not the published default
+    ``origin`` (random even at temperature 0, not served) but ``maskgit_plus``, and
+    ``entropy`` under Fast-dLLM's caches, as its block loop ranks (docs/models.md,
+    "Dream")."""
     return ModelCapabilities(family="Dream", attention="full", shifted_logits=True,
                              whole_canvas=True,
                              option_defaults={"strategy": "timestep_schedule",

@@ -1,28 +1,9 @@
 """A forward with hooks in compiled pieces: the layers between a policy's hook points.
 
-A forward is a chain of half layers: unit 2l is layer l's ``attention_inputs`` (norm and
-projections), unit 2l + 1 its ``attention_output`` (attention, norm and MLP). A step's
-hooks run between units (``step_run``): ``before_attention`` and ``select_keys`` (or
-a ``preselect_keys`` layer's selection, on a step that also has hooks between layers) of
-layer l after unit 2l (a key selection has an ``after_attention`` after unit 2l + 1,
-which hands what the attention selected to the hooks), ``after_output`` of layer l after
-unit 2l + 1.
-A step whose hooks only preselect keys does not come here: the model runs whole. The
-units between two hook points form a piece, compiled once by ``torch.compile`` with a
-dynamic row dimension, so the rows a hook keeps go through the later layers
-compiled, whatever their number. The hooks themselves, which make data-dependent choices
-on the host, run eagerly between the pieces.
-
-vLLM's attention is an opaque custom op on the platforms that compile this way, so a piece
-calls it as the whole-model graph does, and the op reads its layer's view of the step's
-rows from the forward context, which the run publishes at the hook point before the
-piece (no piece's traced code reads a view). Each piece gets its own copy of the code
-object that runs it, so torch.compile caches its graphs per piece (the recompile limit
-counts per code object).
-Pieces compile on their first use; with ``--enforce-eager`` they run eagerly, and so do
-the pieces of a hook set with a hook at every layer (no piece spans a whole layer:
-compiling the 2L half layers of a key selection at every layer cost 8 s at its first step
-and saved nothing, measured on the default model).
+Unit 2l is layer l's ``attention_inputs``, unit 2l + 1 its ``attention_output``; the units
+between two hook points form a piece, compiled once with a dynamic row dimension (eager
+with ``--enforce-eager`` or a hook at every layer), the hooks running eagerly between the
+pieces. Where the cuts fall and why: docs/models.md, "The model contract".
 """
 
 from __future__ import annotations
@@ -75,7 +56,8 @@ def _piece(layers: list[nn.Module], first: int, last: int, compiled: bool,
            embed: nn.Module | None = None, final_norm: nn.Module | None = None):
     """Units first..last as one callable (positions, hidden, residual, q, k, v) ->
     (hidden, residual, q, k, v), compiled with a dynamic row dimension; ``embed`` and
-    ``final_norm`` as in ``_run_units``."""
+    ``final_norm`` as in ``_run_units``. Its own code objects: torch.compile caches graphs
+    (and counts recompiles) per code object."""
     code = _run_units.__code__.replace(co_name=f"diffusion_units_{first}_{last}")
     run_units = types.FunctionType(code, _run_units.__globals__, code.co_name)
 
@@ -96,9 +78,8 @@ _PIECE_INPUTS = ("positions", "hidden", "residual", "q", "k", "v")
 def _input_guards(entries) -> list[bool]:
     """Keep the guards on a piece's inputs (shapes, strides, dtypes, None or not), its
     shape environment and the global grad/device state; drop those on what stays the same
-    objects for the process's life: the piece's layers (modules, hook dicts, parameters)
-    and the modules and constants its code reads (as vLLM's own compiled forward drops
-    every guard). Checking those cost about 0.27 ms per piece call on the default model."""
+    objects for the process's life (its layers, the modules and constants its code reads),
+    as vLLM's own compiled forward drops every guard."""
     return [not entry.name or entry.name.split("[")[0].split(".")[0] in _PIECE_INPUTS
             for entry in entries]
 

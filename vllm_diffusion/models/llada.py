@@ -1,28 +1,7 @@
 """LLaDA 1.x (``LLaDAModelLM``, ``model_type: llada``; LLaDA-8B-Base/Instruct, LLaDA-1.5):
-a Llama-style masked-diffusion model whose every position attends to every other.
-
-The published ``modeling_llada.py`` network for ``block_type: llama``, built from vLLM's
-layers:
-
-- pre-norm residual blocks: ``x + attn_out(attention(attn_norm(x)))``, then
-  ``x + ff_out(silu(ff_proj(h)) * up_proj(h))`` with ``h = ff_norm(x)`` (Qwen3's order,
-  so the layer body is ``PreNormHalves``); RMSNorm everywhere (``rms_norm_eps``);
-- separate q/k/v projections (packed into ``qkv_proj`` here), grouped-query attention by
-  ``n_kv_heads``, head size ``d_model / n_heads``, no q/k norm; rotate-half (NeoX) RoPE
-  with ``rope_theta`` over the whole head (in float32 where ``rope_full_precision``, as
-  every published checkpoint sets), positions counted from the canvas start;
-- biases on q/k/v iff ``include_bias or include_qkv_bias``, on the other linears iff
-  ``include_bias``;
-- the embedding and the output layer sized by ``embedding_size`` (may exceed the
-  tokenizer's vocabulary); the output layer is ``model.transformer.ff_out`` unless
-  ``weight_tying``.
-
-Weight names (published -> here): ``model.transformer.wte`` -> ``model.embed_tokens``;
-``model.transformer.blocks.{i}.``: ``attn_norm`` -> ``input_layernorm``,
-``q_proj/k_proj/v_proj`` -> ``self_attn.qkv_proj`` (shards q, k, v), ``attn_out`` ->
-``self_attn.o_proj``, ``ff_norm`` -> ``post_attention_layernorm``, ``ff_proj`` (the SwiGLU
-gate) / ``up_proj`` -> ``mlp.gate_up_proj`` (shards 0, 1), ``ff_out`` -> ``mlp.down_proj``;
-``model.transformer.ln_f`` -> ``model.norm``; ``model.transformer.ff_out`` -> ``lm_head``.
+the published ``modeling_llada.py`` network for ``block_type: llama`` (a Llama-style
+masked-diffusion model whose every position attends to every other), built from vLLM's
+layers under the published weight names; docs/models.md, "LLaDA 1.x".
 """
 
 from __future__ import annotations
@@ -32,16 +11,15 @@ import torch.nn as nn
 
 from vllm.compilation.decorators import support_torch_compile
 from vllm.config import VllmConfig
-from vllm.model_executor.layers.activation import SiluAndMul
 from vllm.model_executor.layers.layernorm import RMSNorm
-from vllm.model_executor.layers.linear import (MergedColumnParallelLinear, QKVParallelLinear,
-                                               RowParallelLinear)
+from vllm.model_executor.layers.linear import QKVParallelLinear, RowParallelLinear
 from vllm.model_executor.layers.rotary_embedding import get_rope
 from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
 from vllm.model_executor.models.utils import WeightsMapper, extract_layer_index, make_layers
 
 from vllm_diffusion.models.attention_heads import init_block_diffusion_heads
-from vllm_diffusion.models.causal_lm import DiffusionCausalLM, PreNormHalves, run_layers
+from vllm_diffusion.models.causal_lm import (DiffusionCausalLM, PreNormHalves, SwiGLUMLP,
+                                             run_layers)
 from vllm_diffusion.models.step_run import StepRun
 
 
@@ -85,27 +63,6 @@ class LLaDAAttention(nn.Module):
         return output
 
 
-class LLaDAMLP(nn.Module):
-    """SwiGLU: ``down_proj(silu(gate) * up)``; the checkpoint's ``ff_proj`` is the gate
-    (shard 0 of ``gate_up_proj``), ``up_proj`` the up (shard 1)."""
-
-    def __init__(self, config, vllm_config: VllmConfig, prefix: str) -> None:
-        super().__init__()
-        self.gate_up_proj = MergedColumnParallelLinear(
-            config.hidden_size, [config.intermediate_size] * 2, bias=config.include_bias,
-            quant_config=vllm_config.quant_config, prefix=f"{prefix}.gate_up_proj")
-        self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size,
-                                           bias=config.include_bias,
-                                           quant_config=vllm_config.quant_config,
-                                           prefix=f"{prefix}.down_proj")
-        self.act_fn = SiluAndMul()
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up, _ = self.gate_up_proj(x)
-        x, _ = self.down_proj(self.act_fn(gate_up))
-        return x
-
-
 class LLaDADecoderLayer(PreNormHalves, nn.Module):
     """The published ``LLaDALlamaBlock`` (pre-norm: ``PreNormHalves``)."""
 
@@ -115,11 +72,10 @@ class LLaDADecoderLayer(PreNormHalves, nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.self_attn = LLaDAAttention(config, vllm_config, f"{prefix}.self_attn")
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.mlp = LLaDAMLP(config, vllm_config, f"{prefix}.mlp")
-
-    @property
-    def attention_module(self) -> nn.Module:
-        return self.self_attn
+        # the checkpoint's ``ff_proj`` is the gate (shard 0 of ``gate_up_proj``), ``up_proj``
+        # the up (shard 1)
+        self.mlp = SwiGLUMLP(config.hidden_size, config.intermediate_size, config.include_bias,
+                             vllm_config, f"{prefix}.mlp")
 
 
 @support_torch_compile(dynamic_arg_dims={"input_ids": 0, "positions": -1})

@@ -1,30 +1,8 @@
-"""LLaDA2.0 / LLaDA2.1 (``LLaDA2MoeModelLM``, ``model_type: llada2_moe``) with
-block-diffusion attention.
-
-The architecture is Ling-2.0's (vLLM's ``BailingMoeV2``), built here from vLLM's layers
-with the semantics of the published ``modeling_llada2_moe.py`` where vLLM's Bailing model
-differs:
-
-- fused QKV (``attention.query_key_value``: [q; k; v]), bias iff ``use_qkv_bias``; RMSNorm
-  q/k per head before RoPE (``query_layernorm`` / ``key_layernorm``); NeoX rotary on the
-  first ``int(head_dim * partial_rotary_factor)`` dims only (``rotary_dim`` is ignored);
-  output projection ``attention.dense``, bias iff ``use_bias``;
-- layers before ``first_k_dense_replace`` dense (``mlp.{gate,up,down}_proj``), the others
-  mixture of experts: router logits in fp32, sigmoid scores, ``mlp.gate.expert_bias``
-  added for selection only, group-limited top-k (per group the sum of its two best
-  biased scores, the best ``topk_group`` groups kept), the chosen experts' unbiased
-  scores renormalised whenever top-k > 1 (whatever ``norm_topk_prob`` says), times
-  ``routed_scaling_factor``, plus the shared experts;
-- LLaDA2.2 (``expert_capacity > 0``): block routing instead of group-limited routing:
-  per routing block of ``block_size`` tokens of a request (by absolute position), the
-  ``expert_capacity`` experts with the best block score (the maximum over the block's
-  tokens of sigmoid score plus bias) form the pool, each token takes its top-k within it
-  (``block_pool_logits``, ``route_in_pool``), in every forward (prefill, denoising,
-  commit); ``n_group`` / ``topk_group`` are ignored;
-- ``norm_head`` is ignored (as by the published forward).
-
-``LLaDA2DecoderLayer`` owns its forward (pre-norm residual order) and calls the step
-run's hook points (``step_run.py``), so every policy's hooks run on it as on SDAR.
+"""LLaDA2.0 / LLaDA2.1 / LLaDA2.2 (``LLaDA2MoeModelLM``, ``model_type: llada2_moe``) with
+block-diffusion attention: Ling-2.0's architecture (vLLM's ``BailingMoeV2``) built from
+vLLM's layers with the published ``modeling_llada2_moe.py`` semantics where vLLM's Bailing
+model differs, and LLaDA2.2's block routing (``expert_capacity > 0``); docs/models.md,
+"LLaDA2.0 and LLaDA2.1" and "LLaDA2.2".
 """
 
 from __future__ import annotations
@@ -36,17 +14,16 @@ import torch.nn as nn
 
 from vllm.compilation.decorators import support_torch_compile
 from vllm.config import VllmConfig
-from vllm.model_executor.layers.activation import SiluAndMul
 from vllm.model_executor.layers.fused_moe import FusedMoEFactory
 from vllm.model_executor.layers.layernorm import RMSNorm
-from vllm.model_executor.layers.linear import (MergedColumnParallelLinear, QKVParallelLinear,
-                                               RowParallelLinear)
+from vllm.model_executor.layers.linear import QKVParallelLinear, RowParallelLinear
 from vllm.model_executor.layers.rotary_embedding import get_rope
 from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
 from vllm.model_executor.models.utils import WeightsMapper, extract_layer_index, make_layers
 
 from vllm_diffusion.models.attention_heads import init_block_diffusion_heads
-from vllm_diffusion.models.causal_lm import DiffusionCausalLM, PreNormHalves, run_layers
+from vllm_diffusion.models.causal_lm import (DiffusionCausalLM, PreNormHalves, SwiGLUMLP,
+                                             run_layers)
 from vllm_diffusion.models.step_run import StepRun
 
 
@@ -86,27 +63,6 @@ class LLaDA2Attention(nn.Module):
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         output, _ = self.dense(self.attn(q, k, v))
         return output
-
-
-class LLaDA2MLP(nn.Module):
-    """SwiGLU; the checkpoint's ``gate_proj`` / ``up_proj`` load into ``gate_up_proj``."""
-
-    def __init__(self, config, intermediate_size: int, vllm_config: VllmConfig, prefix: str,
-                 reduce_results: bool = True) -> None:
-        super().__init__()
-        self.gate_up_proj = MergedColumnParallelLinear(
-            config.hidden_size, [intermediate_size] * 2, bias=False,
-            quant_config=vllm_config.quant_config, prefix=f"{prefix}.gate_up_proj")
-        self.down_proj = RowParallelLinear(intermediate_size, config.hidden_size, bias=False,
-                                           quant_config=vllm_config.quant_config,
-                                           reduce_results=reduce_results,
-                                           prefix=f"{prefix}.down_proj")
-        self.act_fn = SiluAndMul()
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x, _ = self.gate_up_proj(x)
-        x, _ = self.down_proj(self.act_fn(x))
-        return x
 
 
 def chosen_weights(scores: torch.Tensor, ids: torch.Tensor, scaling: float
@@ -217,9 +173,9 @@ class LLaDA2MoE(nn.Module):
         self.gate = LLaDA2Router(config)
         self.shared_experts = None
         if config.num_shared_experts:
-            self.shared_experts = LLaDA2MLP(
-                config, config.moe_intermediate_size * config.num_shared_experts,
-                vllm_config, f"{prefix}.shared_experts", reduce_results=False)
+            self.shared_experts = SwiGLUMLP(
+                config.hidden_size, config.moe_intermediate_size * config.num_shared_experts,
+                False, vllm_config, f"{prefix}.shared_experts", reduce_results=False)
         self.experts = FusedMoEFactory(
             shared_experts=self.shared_experts, num_experts=config.num_experts,
             top_k=config.num_experts_per_tok, hidden_size=config.hidden_size,
@@ -239,27 +195,24 @@ class LLaDA2MoE(nn.Module):
 
 
 class LLaDA2DecoderLayer(PreNormHalves, nn.Module):
+    attention_name = "attention"
+
     def __init__(self, config, vllm_config: VllmConfig, prefix: str) -> None:
         super().__init__()
         self.layer_index = extract_layer_index(prefix)
         self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.attention = LLaDA2Attention(config, vllm_config, f"{prefix}.attention")
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        if config.num_experts and extract_layer_index(prefix) >= config.first_k_dense_replace:
+        if config.num_experts and self.layer_index >= config.first_k_dense_replace:
             self.mlp = LLaDA2MoE(config, vllm_config, f"{prefix}.mlp")
         else:
-            self.mlp = LLaDA2MLP(config, config.intermediate_size, vllm_config, f"{prefix}.mlp")
-
+            self.mlp = SwiGLUMLP(config.hidden_size, config.intermediate_size, False,
+                                 vllm_config, f"{prefix}.mlp")
 
     def feed_forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         if isinstance(self.mlp, LLaDA2MoE):
             return self.mlp(hidden, positions)
         return self.mlp(hidden)
-
-    @property
-    def attention_module(self) -> nn.Module:
-        """The attention of its layer body (``PreNormHalves``: The published pre-norm order)."""
-        return self.attention
 
 
 @support_torch_compile(dynamic_arg_dims={"input_ids": 0, "positions": -1})

@@ -1,9 +1,7 @@
-"""Qwen2's layers on the block-diffusion attention backend, shared by the families whose
-weights are Qwen2 / Qwen2.5's (Dream, Fast-dLLM v2): biases on q/k/v (none on
-``o_proj``), no q/k norm, rotate-half RoPE from ``rope_theta`` (and ``rope_scaling``),
-SwiGLU MLP, pre-norm RMSNorm layers, with Qwen2's weight names (``model.layers...``), so
-vLLM's Qwen2 model loads them. How rows attend (full or block-causal) is the engine's,
-from the family's capabilities.
+"""Qwen2's layers on the block-diffusion attention backend, for the families with Qwen2 /
+Qwen2.5 weights (Dream, Fast-dLLM v2), with Qwen2's weight names so that vLLM's Qwen2 model
+loads them; SDAR's Qwen3 layers (``sdar.py``) extend them. How rows attend (full or
+block-causal) is the engine's, from the family's capabilities.
 """
 
 from __future__ import annotations
@@ -25,23 +23,25 @@ from vllm_diffusion.models.step_run import StepRun
 
 
 class Qwen2DiffusionAttention(nn.Module):
-    """Qwen2's attention (q/k/v biases, no q/k norm), split into ``project`` and
-    ``attend`` as ``SDARAttention``."""
+    """Qwen2's attention (q/k/v biases unless ``qkv_bias`` says otherwise, no q/k norm),
+    split into ``project`` and ``attend`` so that hooks can run between the keys/values
+    and the attention."""
 
-    def __init__(self, config, vllm_config: VllmConfig, prefix: str) -> None:
+    def __init__(self, config, vllm_config: VllmConfig, prefix: str,
+                 qkv_bias: bool = True) -> None:
         super().__init__()
         total_heads, total_kv_heads = config.num_attention_heads, config.num_key_value_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // total_heads
         init_block_diffusion_heads(self, config, vllm_config, prefix, head_dim)
         quant_config = vllm_config.quant_config
         self.qkv_proj = QKVParallelLinear(
-            config.hidden_size, self.head_dim, total_heads, total_kv_heads, bias=True,
+            config.hidden_size, self.head_dim, total_heads, total_kv_heads, bias=qkv_bias,
             quant_config=quant_config, prefix=f"{prefix}.qkv_proj")
         self.o_proj = RowParallelLinear(total_heads * self.head_dim, config.hidden_size,
                                         bias=False, quant_config=quant_config,
                                         prefix=f"{prefix}.o_proj")
         self.rotary_emb = get_rope(self.head_dim,
-                                   max_position=config.max_position_embeddings,
+                                   max_position=getattr(config, "max_position_embeddings", 8192),
                                    rope_parameters=config.rope_parameters)
 
     def project(self, positions: torch.Tensor, hidden_states: torch.Tensor
@@ -59,29 +59,30 @@ class Qwen2DiffusionAttention(nn.Module):
 
 
 class Qwen2DiffusionDecoderLayer(PreNormHalves, nn.Module):
-    """Qwen2's decoder layer (its pre-norm order: ``PreNormHalves``) on
-    ``Qwen2DiffusionAttention``."""
+    """Qwen2's decoder layer (its pre-norm order: ``PreNormHalves``) on ``attention_cls``."""
+
+    attention_cls: type[nn.Module] = Qwen2DiffusionAttention
+    default_rope_theta = 10000
 
     def __init__(self, *, prefix: str = "", vllm_config: VllmConfig | None = None,
                  **unused) -> None:
-        # Qwen2's model passes (config, cache_config, quant_config); all three are parts of
-        # the config being built.
+        # Qwen2's and Qwen3's models pass (config, cache_config, quant_config), Qwen3-MoE's
+        # the whole vllm_config; all are parts of the config being built.
         super().__init__()
         vllm_config = vllm_config or get_current_vllm_config()
         config = vllm_config.model_config.hf_text_config
-        set_default_rope_theta(config, default_theta=10000)
+        set_default_rope_theta(config, default_theta=self.default_rope_theta)
         self.layer_index = extract_layer_index(prefix)
-        self.self_attn = Qwen2DiffusionAttention(config, vllm_config, f"{prefix}.self_attn")
-        self.mlp = Qwen2MLP(hidden_size=config.hidden_size,
-                            intermediate_size=config.intermediate_size,
-                            hidden_act=config.hidden_act,
-                            quant_config=vllm_config.quant_config, prefix=f"{prefix}.mlp")
+        self.self_attn = self.attention_cls(config, vllm_config, f"{prefix}.self_attn")
+        self.mlp = self.make_mlp(config, vllm_config, f"{prefix}.mlp")
         self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
-    @property
-    def attention_module(self) -> nn.Module:
-        return self.self_attn
+    def make_mlp(self, config, vllm_config: VllmConfig, prefix: str) -> nn.Module:
+        return Qwen2MLP(hidden_size=config.hidden_size,
+                        intermediate_size=config.intermediate_size,
+                        hidden_act=config.hidden_act, quant_config=vllm_config.quant_config,
+                        prefix=prefix)
 
 
 class Qwen2DiffusionModel(Qwen2Model):

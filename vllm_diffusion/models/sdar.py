@@ -1,12 +1,7 @@
-"""SDAR models: Qwen3 / Qwen3-MoE weights and layers with block-diffusion attention.
-
-SDAR's architecture is Qwen3 verbatim (weights, names, q/k-norm before RoPE); only the
-attention mask and the decoding loop differ. The layers here are built from vLLM's own
-modules (tensor-parallel linears, RMSNorm, RoPE, Qwen3's MLP and MoE block), with names
-that match Qwen3's, so vLLM's weight loading applies unchanged; their attention is built
-on ``BlockDiffusionAttentionBackend`` from the start. ``SDARDecoderLayer`` owns its
-forward (Qwen3's pre-norm residual order) and calls the step run's hook points
-(``step_run.py``).
+"""SDAR models: Qwen3 / Qwen3-MoE weights, names and layers (q/k-norm before RoPE) with
+block-diffusion attention; only the attention mask and the decoding loop differ from Qwen3.
+The layers extend ``qwen2_layers``' with Qwen3's q/k norm and MoE block, so vLLM's weight
+loading applies unchanged.
 """
 
 from __future__ import annotations
@@ -14,42 +9,27 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from vllm.config import VllmConfig, get_current_vllm_config
+from vllm.config import VllmConfig
 from vllm.model_executor.layers.layernorm import RMSNorm
-from vllm.model_executor.layers.linear import QKVParallelLinear, RowParallelLinear
-from vllm.model_executor.layers.rotary_embedding import get_rope
-from vllm.model_executor.models.qwen2 import Qwen2MLP
 from vllm.model_executor.models.interfaces import MixtureOfExperts
 from vllm.model_executor.models.qwen3 import Qwen3Model
 from vllm.model_executor.models.qwen3_moe import Qwen3MoeModel, Qwen3MoeSparseMoeBlock
-from vllm.model_executor.models.utils import PPMissingLayer, extract_layer_index
-from vllm.transformers_utils.config import set_default_rope_theta
+from vllm.model_executor.models.utils import PPMissingLayer
 
-from vllm_diffusion.models.attention_heads import init_block_diffusion_heads
-from vllm_diffusion.models.causal_lm import DiffusionCausalLM, PreNormHalves, run_layers
+from vllm_diffusion.models.causal_lm import run_layers
+from vllm_diffusion.models.qwen2_layers import (Qwen2DiffusionAttention,
+                                                Qwen2DiffusionDecoderLayer,
+                                                Qwen2DiffusionForCausalLM)
 from vllm_diffusion.models.step_run import StepRun
 
 
-class SDARAttention(nn.Module):
-    """Qwen3's attention (q/k RMSNorm per head before RoPE), split into ``project`` and
-    ``attend`` so that hooks can run between the keys/values and the attention."""
+class SDARAttention(Qwen2DiffusionAttention):
+    """Qwen3's attention: Qwen2's with q/k RMSNorm per head before RoPE, q/k/v biases only
+    where ``attention_bias``."""
 
     def __init__(self, config, vllm_config: VllmConfig, prefix: str) -> None:
-        super().__init__()
-        total_heads, total_kv_heads = config.num_attention_heads, config.num_key_value_heads
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // total_heads
-        init_block_diffusion_heads(self, config, vllm_config, prefix, head_dim)
-        quant_config = vllm_config.quant_config
-        self.qkv_proj = QKVParallelLinear(
-            config.hidden_size, self.head_dim, total_heads, total_kv_heads,
-            bias=getattr(config, "attention_bias", False), quant_config=quant_config,
-            prefix=f"{prefix}.qkv_proj")
-        self.o_proj = RowParallelLinear(total_heads * self.head_dim, config.hidden_size,
-                                        bias=False, quant_config=quant_config,
-                                        prefix=f"{prefix}.o_proj")
-        self.rotary_emb = get_rope(self.head_dim,
-                                   max_position=getattr(config, "max_position_embeddings", 8192),
-                                   rope_parameters=config.rope_parameters)
+        super().__init__(config, vllm_config, prefix,
+                         qkv_bias=getattr(config, "attention_bias", False))
         self.q_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
         self.k_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
 
@@ -63,54 +43,27 @@ class SDARAttention(nn.Module):
         q, k = self.rotary_emb(positions, q, k)
         return q, k, v
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """Stores the keys/values of all k rows, attends for the q rows: [T_q, hidden]."""
-        output, _ = self.o_proj(self.attn(q, k, v))
-        return output
 
-
-class SDARDecoderLayer(PreNormHalves, nn.Module):
+class SDARDecoderLayer(Qwen2DiffusionDecoderLayer):
     """Qwen3's decoder layer (dense MLP, or Qwen3-MoE's sparse block where the config
     puts one) on ``SDARAttention``."""
 
-    def __init__(self, *, prefix: str = "", vllm_config: VllmConfig | None = None,
-                 **unused) -> None:
-        # Qwen3's model passes (config, cache_config, quant_config), Qwen3-MoE's the whole
-        # vllm_config; both are the config being built.
-        super().__init__()
-        vllm_config = vllm_config or get_current_vllm_config()
-        config = vllm_config.model_config.hf_text_config
-        set_default_rope_theta(config, default_theta=1000000)
-        self.self_attn = SDARAttention(config, vllm_config, f"{prefix}.self_attn")
-        self.layer_index = layer = extract_layer_index(prefix)
-        sparse = (getattr(config, "num_experts", 0) > 0
-                  and layer not in getattr(config, "mlp_only_layers", [])
-                  and (layer + 1) % getattr(config, "decoder_sparse_step", 1) == 0)
-        if sparse:
-            self.mlp = Qwen3MoeSparseMoeBlock(vllm_config=vllm_config, prefix=f"{prefix}.mlp")
-        else:
-            self.mlp = Qwen2MLP(hidden_size=config.hidden_size,
-                                intermediate_size=config.intermediate_size,
-                                hidden_act=config.hidden_act,
-                                quant_config=vllm_config.quant_config, prefix=f"{prefix}.mlp")
-        self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+    attention_cls = SDARAttention
+    default_rope_theta = 1000000
 
-
-
-    @property
-    def attention_module(self) -> nn.Module:
-        """The attention of its layer body (``PreNormHalves``: Qwen3's pre-norm order)."""
-        return self.self_attn
+    def make_mlp(self, config, vllm_config: VllmConfig, prefix: str) -> nn.Module:
+        layer = self.layer_index
+        if (getattr(config, "num_experts", 0) > 0
+                and layer not in getattr(config, "mlp_only_layers", [])
+                and (layer + 1) % getattr(config, "decoder_sparse_step", 1) == 0):
+            return Qwen3MoeSparseMoeBlock(vllm_config=vllm_config, prefix=prefix)
+        return super().make_mlp(config, vllm_config, prefix)
 
 
 class SDARModel(Qwen3Model):
     """Qwen3's model (embedding, layers, norm, weight loading) on ``SDARDecoderLayer``."""
 
     decoder_layer_type = SDARDecoderLayer
-
-    def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
-        super().__init__(vllm_config=vllm_config, prefix=prefix)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 intermediate_tensors=None, inputs_embeds=None,
@@ -131,13 +84,10 @@ class SDARMoeModel(Qwen3MoeModel):
         return run_layers(self, input_ids, positions, stack_run)
 
 
-class SDARForCausalLM(DiffusionCausalLM):
-    """The model, its LM head and logits, with Qwen3's weight names."""
+class SDARForCausalLM(Qwen2DiffusionForCausalLM):
+    """The model, its LM head and logits, with Qwen3's weight names (Qwen2's packing)."""
 
     model_cls = SDARModel
-    packed_modules_mapping = {"qkv_proj": ["q_proj", "k_proj", "v_proj"],
-                              "gate_up_proj": ["gate_proj", "up_proj"]}
-    embedding_modules = {"embed_tokens": "input_embeddings", "lm_head": "output_embeddings"}
 
 
 class SDARMoeForCausalLM(SDARForCausalLM, MixtureOfExperts):

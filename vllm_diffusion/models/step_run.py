@@ -1,47 +1,7 @@
-"""The model contract: how a diffusion step's hooks run between a family's layer halves,
-and what each layer's attention reads.
-
-Each family's decoder layer owns its body in two halves around its attention
-(``attention_inputs`` -> q, k, v and ``attention_output`` -> hidden; pre-norm families
-inherit both from ``causal_lm.PreNormHalves``) and names its ``attention_module``. A step
-without hooks between layers runs the layers plainly (vLLM may compile the forward; key
-selections made before it, ``LayerHooks.preselect_keys``, go into the layers' views by
-``publish_preselected_keys``, what their attention selected to the hooks after it by
-``hand_selected``); a step with hooks between layers runs the halves as pieces
-(``layer_segments``), which call the run's hook points, in this order:
-
-- ``run.before_attention(layer, attention, q, k, *carried)``: after the layer's queries,
-  keys and values (after q/k-norm and RoPE) and before its attention. The hooks of that
-  layer may select keys for the attention (``select_keys``) and drop query rows
-  (``before_attention``); returns the queries and the ``carried`` row tensors (the
-  residual stream, positions, ...) of the rows that continue. The attention still stores
-  the keys/values of every row that entered the layer; the later layers see only the
-  continuing rows' keys;
-- ``run.after_attention(layer)``: after the attention of a layer with a key selection:
-  what that attention selected for the policy (its ``selected_prefix`` slot) goes to the
-  hooks (``after_key_scoring``);
-- ``run.after_output(layer, output, *carried)`` when ``run.wants_output(layer)``: with the
-  layer's output in the residual stream (``output``, which the hook reads); returns the
-  ``carried`` tensors of the rows that continue.
-
-``attention`` is the layer's attention module: its ``num_heads``, ``num_kv_heads``,
-``head_dim`` and ``scaling`` (``attention_heads.init_block_diffusion_heads``) shape what
-the hooks see.
-
-The forward is one-way. The step's rows (``step.rows.StepRows``) belong to their owner:
-the run on a step with hooks, the step's forward otherwise. The owner publishes, in vLLM's
-forward context, one read-only view per attention layer (``LayerViews``,
-``attention.backend.BlockDiffusionMetadata``: query positions, slot mapping, row offsets,
-key lengths, the layer's key selection and the CPU attention's plan, made by the owner
-once per set of rows), and the attention changes nothing it reads. The run narrows the
-rows at a hook point and republishes the views of the layers after it, so every view is
-in place before the piece that reads it runs (a layer's own view keeps the key rows that
-entered it). After the last layer ``run.rows`` holds the step rows of the output hidden
-states (the first ``len(run.rows)`` rows of them: with ``row_buckets`` the rows that
-continue after a drop are padded with zero rows up to a bucket, which the attention never
-reads or stores, the views holding the real rows only, and which the hooks never see) and
-``run.layer_block_rows`` the block rows each layer computed.
-"""
+"""The model contract: a diffusion step's run (``StepRun``), whose hook points a family's
+layer halves call, and the read-only view of the step's rows each layer's attention reads
+(``LayerViews``). The hook points, their order and the views' rules:
+docs/models.md, "The model contract"."""
 
 from __future__ import annotations
 
@@ -88,10 +48,9 @@ class LayerViews:
 
 def publish_preselected_keys(hooks: StepHooks, step_rows: StepRows,
                              views: LayerViews) -> dict[int, SelectedPrefix]:
-    """The views of a step whose hooks only preselect keys (``LayerHooks.preselect_keys``,
-    nothing between layers: the model runs whole): every layer reads one view of the rows,
-    a preselecting layer's carries its key selection and, where it has scoring requests, an
-    output slot. Returns those slots by layer, for ``hand_selected`` after the forward."""
+    """The views of a step whose hooks only preselect keys (the model runs whole): one view
+    of the rows, a preselecting layer's with its key selection and, where it has scoring
+    requests, an output slot. Returns those slots by layer, for ``hand_selected``."""
     declared = hooks.layers
     selections = {layer: hooks.preselected_keys(layer) for layer in declared.preselect_keys}
     selections = {layer: s for layer, s in selections.items() if s is not None}
@@ -225,8 +184,7 @@ class StepRun:
 
     def _real(self, tensor: torch.Tensor) -> torch.Tensor:
         """The real rows of a row tensor (without bucket padding)."""
-        rows = len(self.rows)
-        return tensor[..., :rows] if tensor.dim() == 1 else tensor[:rows]
+        return tensor[:len(self.rows)]
 
     def _padded(self, tensor: torch.Tensor) -> torch.Tensor:
         """A row tensor of the real rows, padded with zero rows up to its bucket."""
@@ -234,8 +192,6 @@ class StepRun:
         bucket = next((b for b in self.row_buckets or () if b >= rows), rows)
         if bucket == rows:
             return tensor
-        if tensor.dim() == 1:
-            return torch.cat([tensor, tensor.new_zeros(bucket - rows)])
         return torch.cat([tensor, tensor.new_zeros(bucket - rows, *tensor.shape[1:])])
 
     def _keep(self, selection: RowSelection, *tensors: torch.Tensor

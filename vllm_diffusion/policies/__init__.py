@@ -1,11 +1,7 @@
 """Decoding policies, one module (or small package) each, behind ``base.DecodingPolicy``.
-
-``POLICIES`` maps a policy name (what users type) to its class. A policy's module is
-imported when the policy is first looked up, not before: the API server, which resolves
-the engine's options and checks requests, loads the served policy and no other (nor the
-kernels another one runs). Names and membership (``name in POLICIES``, ``sorted(POLICIES)``)
-import nothing. The module of a policy is named after it; adding a policy is one module
-plus one entry in ``_LOCATIONS``.
+``POLICIES`` maps a policy name to its class, importing a policy's module on its first
+lookup (the API server loads the served policy and no other); names and membership
+import nothing. Adding a policy: one module plus one entry in ``_LOCATIONS``.
 """
 
 from __future__ import annotations

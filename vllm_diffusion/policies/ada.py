@@ -1,65 +1,9 @@
-"""Ada-DLM: freeze tokens whose confidence trajectory clusters with the most confident one
-(Li et al., "Towards Efficient and Effective Diffusion Language Model Inference via
-Semantic-Aware Adaptive Denoising", section 4.2, Algorithm 1 of appendix B), inside the
-current block of a block-diffusion model.
-
-Every step, over the block's m masked positions (all of them are computed every step):
-
-1. rank-aware centroid initialisation: sort by this step's confidence C_t (the maximum
-   probability, as the paper defines it; ties to the left); with the capacity K =
-   ceil(capacity * B), fixed for the block (the paper fixes K at about 15% of the
-   sequence; for block diffusion, of the block B), the top-ranked position is the
-   prototype of the high-confidence centroid and the (K+1)-th the prototype of the boundary
-   centroid. When K >= m there is no (K+1)-th: the lowest-ranked masked position is the
-   boundary prototype (with m = 1 both prototypes are the one position, which the
-   at-least-one rule below freezes; the paper does not say what happens then);
-2. evolution-aware features: v_i = [C_t, C_{t-1}, ..., C_{t-h+1}] (h = ``history``, the
-   paper's 3), the position's confidences over the block's last h steps, 0 before the
-   block's first step; the centroids are the prototypes' vectors;
-3. nearest centroid: D(i) = ||v_i - mu_high||^2 / ||v_i - mu_bound||^2 < 1 freezes the
-   position (a tie stays active, as Algorithm 1's d_high >= d_bound); the top-ranked
-   position is always frozen, so every step commits at least one token.
-
-``confidence_floor`` (not the paper's; default 0, which leaves the rule as published)
-additionally keeps active any position whose confidence this step is below the floor (the
-top-ranked one still freezes); ``static_threshold`` (not the paper's; default None, the
-published rule) freezes every position above it whatever its cluster, as the static rule
-the paper compares against (Fast-dLLM, 0.9) would, so the clustering only adds freezes to
-it. On the default model the published rule commits positions far below 0.9 confidence
-early in a block and loses 0.10-0.13 of the accuracy; when K + 1 or more positions are
-confident the boundary prototype is itself confident and the rule freezes fewer of them
-than a 0.9 threshold would (1.8-2.3 commits per step against ``standard``'s 3.6-3.8). A
-floor of 0.9 alone removes the loss only without the intra-block cache, and then computes
-about twice ``standard``'s positions per token; ``static_threshold`` 0.9 with a floor of
-0.8 and no intra-block cache keeps ``standard``'s accuracy (paired interval above -0.03 at
-blocks 16 and 32) with fewer positions per committed token (RESULTS.md has the tables).
-The published configuration stays the default.
-
-Freezing commits the position's proposed token (the paper gives no code; commit-now is
-our reading of "early-stopped"). Frozen positions then cost (almost) nothing. In the paper
-(section 4.3, Algorithm 2) a frozen token skips the FFN (gather-GEMM-scatter) while the
-full sequence still attends to it, so its decoded token is seen. With exact KV caching the
-nearest rule is ``freeze_rule`` ``after_recompute`` (the default): the step after the
-freeze computes the position once with its token, and its KV is then reused for the rest
-of the block. ``immediate`` never computes it again, so its KV stays what it was computed
-from the mask token and the block never sees its own decoded tokens: a literal reading of
-"frozen" that loses 0.29-0.31 of the accuracy on the default model (RESULTS.md), kept to
-reproduce that. ``after_neighbour`` is FOCUS's neighbour-aware intra-block cache
-(``parts/block_cache.py``; not the paper's): recomputed until it and its right neighbour are
-both decoded. Committed KV is exact:
-a completed block is re-encoded when it is committed. With ``intra_block_cache=False``
-every step recomputes the whole block (to separate the decision's effect from the
-cache's).
-
-On a full-attention model (LLaDA) every step computes the whole block (the default
-``intra_block_cache`` is off there), the freeze rule decides the commits, and any
-``diffusion_cache_mode`` applies; under Fast-dLLM's ``dual`` cache this is the paper's
-setting (frozen tokens still attended to, the block's rows computed against the cache).
-
-A preemption frees the block's KV; the confidence history is kept, and the step after it
-computes the whole block once (frozen positions with their tokens) before freezing again.
-Without the intra-block cache the block's KV is a function of its canvas, so a preempted
-request decodes exactly as without the preemption.
+"""Ada-DLM (adaptive freezing; Li et al., section 4.2, Algorithm 1 of appendix B), inside
+the current block: each step, the masked positions whose confidence trajectory is nearer
+the most confident position's than the boundary's are frozen, i.e. committed
+(``batched_freeze_positions``); ``AdaPolicy`` keeps the trajectories in slot tables and
+plans the intra-block cache. The rule's details, the options not the paper's, freeze rules
+and measurements: docs/policies.md, "ada".
 """
 
 from __future__ import annotations
@@ -88,8 +32,7 @@ class AdaConfig(PolicyConfig):
     # False: every step recomputes the whole block (frozen positions included); None: on
     # where the model lets a step compute part of a block (off under full attention)
     intra_block_cache: bool | None = option(None, Rule(bool, optional=True))
-    # With the cache, when a frozen position stops being computed (``block_cache.RULES``):
-    # after one step with its token, never again, or once its right neighbour is decoded.
+    # With the cache, when a frozen position stops being computed (``block_cache.RULES``)
     freeze_rule: str = option("after_recompute", Rule(str, choices=RULES))
     # not the paper's: positions below this confidence stay active (0: the published rule)
     confidence_floor: float = option(0.0, Rule(float, low=0.0, high=1.0))
@@ -101,9 +44,7 @@ class AdaConfig(PolicyConfig):
     @classmethod
     def traits(cls, options: Mapping[str, Any]) -> PolicyTraits:
         """Without the intra-block cache every step computes the whole block: it decodes
-        full-attention models too (under any cache mode: its rule decides commits only),
-        and models whose logits are shifted (each position's history is its decoding
-        row's)."""
+        full-attention models (under any cache mode) and shifted logits too."""
         intra_block = option_value(cls, options, "intra_block_cache")
         return PolicyTraits(
             attention_regimes=("block_causal", "full"), shifted_logits=not intra_block,
@@ -120,14 +61,10 @@ def freeze_positions(confidence: torch.Tensor, masked: torch.Tensor,
                      history: torch.Tensor, capacity: float,
                      confidence_floor: float = 0.0,
                      static_threshold: float | None = None) -> torch.Tensor:
-    """[B] bool: the masked positions Ada-DLM freezes this step.
-
-    confidence: [B] float, this step's confidence (read at masked positions);
-    masked: [B] bool, the candidates; history: [B, h] float, row i the feature vector v_i
-    with this step's confidence first; K = ceil(capacity * B); positions whose confidence
-    is below ``confidence_floor`` stay active (the top-ranked one excepted); positions above
-    ``static_threshold`` (when given) freeze whatever their cluster.
-    """
+    """[B] bool: the masked positions Ada-DLM freezes this step (one block; the plain form
+    of ``batched_freeze_positions``). confidence: [B] float, this step's; masked: [B] bool,
+    the candidates; history: [B, h] float, row i the feature vector v_i, this step's
+    confidence first."""
     frozen = torch.zeros_like(masked)
     candidates = torch.nonzero(masked).flatten()
     num = len(candidates)
@@ -153,10 +90,8 @@ def batched_freeze_positions(confidence: torch.Tensor, masked: torch.Tensor,
                              confidence_floor: torch.Tensor | None = None,
                              static_threshold: torch.Tensor | None = None) -> torch.Tensor:
     """``freeze_positions`` for R blocks at once (the engine's path; tested against it).
-
     confidence, masked: [R, B]; history: [R, B, h]; capacity, confidence_floor: [R] float;
-    static_threshold: [R] float, NaN for a block without one.
-    """
+    static_threshold: [R] float, NaN for a block without one."""
     rows = torch.arange(masked.shape[0])
     num = masked.sum(dim=1)  # [R]
     scored = torch.where(masked, confidence, torch.full_like(confidence, float("-inf")))
@@ -178,8 +113,8 @@ def batched_freeze_positions(confidence: torch.Tensor, masked: torch.Tensor,
 
 @dataclasses.dataclass
 class AdaState:
-    """Per request: its block's intra-block cache; its confidence history is its slot's
-    row of the policy's history table for ``history_steps``."""
+    """Per request: its block's intra-block cache (its confidence history is its slot's row
+    of the policy's history table for ``history_steps``)."""
 
     block_size: int
     history_steps: int

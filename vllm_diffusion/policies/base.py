@@ -1,35 +1,16 @@
-"""The decoding-policy interface: what the runner and the model call, for any policy.
-
-A policy is one module (a class plus its typed config and per-request state) registered by
-name in ``POLICIES``. The engine holds one instance, bound to the served model at start-up
-(``bind``); each request carries the policy's options and state
-(``step.request.DiffusionRequest[Config, State]``, the state made by ``new_state``). One
-denoising step calls, in order:
+"""The decoding-policy interface (``DecodingPolicy``) and the base of its typed options
+(``PolicyConfig``). The engine holds one policy, bound to the served model at start-up
+(``bind``); each request carries its options and the state ``new_state`` made
+(``step.request.DiffusionRequest[Config, State]``). One denoising step calls, in order:
 
 1. ``begin_step(requests)`` with every scheduled request;
-2. per request whose block the step computes, ``plan_step(request, start)``: which block
-   positions to compute, how far keys reach, and (when the step commits the block the
-   request just completed) which of its positions the commit recomputes
-   (``step.plans.BlockStepPlan``); ``start`` says whether the block is new, or the same
-   block whose KV a preemption freed (to be recomputed), or neither;
-3. ``forward_hooks(step)`` once: an object whose methods the model's layers call at the
-   hook points it declares (``step.hooks``) -- after a layer's keys/values are computed and
-   before its attention (``before_attention``: may drop rows; their KV at that layer is
-   still stored), after a layer's output (``after_output``: may drop rows), and inside
-   attention (``select_keys``: which committed-prefix keys each request's block rows see;
-   ``preselect_keys`` when the selection reads nothing the forward computes: made before
-   it, and the model runs whole; what the attention selected comes back through
-   ``after_key_scoring``);
-4. ``decide(blocks)`` once for every denoised block: what changes in them
-   (``step.plans.StepDecision``: the positions unmasked, the filled ones edited, the blocks
-   rewritten where the model's edits move tokens, the schedules idle by design, how each
-   block ends, the chunk chosen); the runner applies it within the requests' grammars and
-   bad words;
-5. ``after_step(request, ...)`` per block, once its canvas took the step (``block_done``:
-   the block ended).
+2. ``plan_step(request, start)`` per request whose block the step computes;
+3. ``forward_hooks(step)`` once: the hooks the model's layers call (``step.hooks``);
+4. ``decide(blocks)`` once for every denoised block (``step.plans.StepDecision``);
+5. ``after_step(request, ...)`` per block, once its canvas took the step.
 
-``counters()`` reports the policy's own counters with the engine's. Extension points of
-the policies' shared bases are protected methods (``docs/extending.md``).
+``counters()`` reports the policy's own counters. What each call may do:
+docs/extending.md, "A new policy".
 """
 
 from __future__ import annotations
@@ -68,8 +49,7 @@ class PolicyConfig:
 
     @property
     def needs_entropy(self) -> bool:
-        """Whether a step's decision for a block with these options reads each proposal's
-        entropy (``StepBlocks.entropy``)."""
+        """Whether the decision for these options reads ``StepBlocks.entropy``."""
         return False
 
 
@@ -104,9 +84,8 @@ class DecodingPolicy(abc.ABC, Generic[ConfigT, StateT]):
     proposal_ranks: int = 0
 
     def bind(self, model: ModelCapabilities, hf_config: Any, prefix_caching: bool) -> None:
-        """Bind to the served model (``model``: its capabilities) at start-up; a policy
-        that checks the model or the prefix-caching setting (with the engine's options)
-        extends it and raises ``ValueError`` naming the problem."""
+        """Bind to the served model's capabilities at start-up; a policy's own checks extend
+        it, raising ``ValueError`` naming the problem."""
         self.model = model
 
     @abc.abstractmethod
@@ -137,6 +116,5 @@ class DecodingPolicy(abc.ABC, Generic[ConfigT, StateT]):
         [B] bool the positions that went through every layer, ``block_done``: it ended."""
 
     def counters(self) -> dict[str, Any]:
-        """The policy's own counters since start-up, reported with the engine's
-        (``diffusion_stats``); none by default."""
+        """The policy's own counters since start-up (``diffusion_stats``); none by default."""
         return {}

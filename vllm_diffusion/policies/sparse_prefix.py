@@ -1,38 +1,9 @@
-"""Sparse-dLLM (Song et al., "Sparse-dLLM: Accelerating Diffusion LLMs with Dynamic Cache
-Eviction", Algorithms 4-5), with any of the standard unmasking strategies.
-
-On a full-attention model (LLaDA), as published: under Fast-dLLM's dual cache
-(``diffusion_cache_mode`` ``dual``, required: the eviction acts on the KV cached outside
-the block) the block's first step refreshes every position's KV; at step ``delay_steps``
-the block's queries select, per layer, the kept positions among every position outside
-the block -- the prompt and earlier blocks, and the canvas after the block (the paper's
-bidirectional eviction) -- and the later steps of the block attend to those plus the
-block. A step that computes more than the block (a refresh, also after a preemption)
-attends densely and keeps the selection.
-
-In a block-diffusion model nothing follows the current block, so of the paper's
-bidirectional eviction only the prefix side applies. For step i (0-based) of a block that
-starts at position N:
-
-- i < ``delay_steps``: dense attention (the paper's cache state 0);
-- i == ``delay_steps``: dense attention, and at every layer the block's queries select the
-  prefix positions kept for the rest of the block (cache state 1): the mean query of each
-  head scores the committed prefix keys (scaled dot product), the scores are averaged over
-  the heads (one list per layer, as the authors' code does; ``per_kv_head``: one list per KV
-  head), max-pooled with kernel ``pool_kernel``, and the top floor(``retention_ratio`` * N)
-  positions are kept (``kernels.sparse_prefix.select_prefix``);
-- i > ``delay_steps``: the block's rows attend to the kept prefix positions plus the block
-  itself (cache state 2).
-
-The selection is made anew for every block. The committed KV pages themselves stay (they
-are shared through vLLM's prefix cache and must stay exact): only the block's denoising
-rows attend sparsely; prefill and commit rows attend densely, so committed KV is exact.
-The selections read nothing the forward computes, so the hooks make them before it
-(``LayerHooks.preselect_keys``) and the model runs whole, compiled as vLLM built it. The
-attention of each layer returns what it selected through the hooks after the forward
-(``SparsePrefixHooks.after_key_scoring``), which keep it in the request's policy state
-([L, H_sel, k] int64 on the model device); the lists are freed when the block completes or
-the request ends.
+"""Sparse-dLLM (Song et al., Algorithms 4-5) with any of the standard unmasking strategies:
+from step ``delay_steps`` of a block, its denoising rows attend to the context positions
+the block's queries selected at that step (``kernels.sparse_prefix.select_prefix``) plus
+the block; prefill and commit rows attend densely, so committed KV stays exact. The
+selections are made before the forward (``LayerHooks.preselect_keys``) and come back
+through ``SparsePrefixHooks.after_key_scoring``. Details: docs/policies.md, "sparse_prefix".
 """
 
 from __future__ import annotations
@@ -98,8 +69,7 @@ class SparsePrefixState:
     kept_kv: list[KeptKV] | None = None
 
     def forget_kv(self, num_layers: int) -> None:
-        """The kept positions' keys and values are to be read anew (a new selection, or
-        the KV recomputed after a preemption)."""
+        """The kept positions' KV is to be read anew (a new selection, or a preemption)."""
         self.kept_kv = [KeptKV() for _ in range(num_layers)]
 
 
@@ -113,8 +83,6 @@ class SparsePrefixHooks(StepHooks):
     def __init__(self, step: ForwardStep, num_layers: int, num_kv_heads: int,
                  scoring: list[tuple[int, SparsePrefixRequest, int]],
                  sparse: list[tuple[int, SparsePrefixRequest]]) -> None:
-        # the selections read nothing the forward computes: made before it, so the model
-        # runs whole (compiled as vLLM built it)
         self.layers = LayerHooks(preselect_keys=tuple(range(num_layers)))
         self.block_rows = [0 if s.block_rows is None else len(s.block_rows)
                            for s in step.requests]

@@ -1,7 +1,6 @@
-"""Standard block-diffusion decoding: every step computes the whole block, the chunk
-window of chunked decoding (``parts/chunk_window.py``), or with Fast-dLLM v2's block
-cache the active sub-block (``parts/sub_block_cache.py``), and unmasks by one of the
-rules of ``rules/``."""
+"""Standard block-diffusion decoding: every step computes the whole block, the chunk window
+(``parts/chunk_window.py``) or the active sub-block (``parts/sub_block_cache.py``), and
+unmasks by one of the rules of ``rules/``."""
 
 from __future__ import annotations
 
@@ -23,12 +22,9 @@ from vllm_diffusion.step.request import DiffusionRequest
 
 @dataclasses.dataclass(frozen=True)
 class StandardConfig(ChunkConfig):
-    """The strategy and chunk-window options (see ``chunk_window.ChunkConfig``), and
-    Fast-dLLM v2's block cache."""
+    """The strategy and chunk-window options, and Fast-dLLM v2's block cache
+    (``parts/sub_block_cache.py``)."""
 
-    # Fast-dLLM v2's ``use_block_cache``: between refreshes of the whole block, a step
-    # computes only the active sub-block's rows against the block's cached KV
-    # (``parts/sub_block_cache.py``).
     sub_block_cache: bool = option(False, Rule(bool))
 
     def validate_for_block(self, block_size: int, source: str) -> None:

@@ -1,7 +1,6 @@
 """Where vllm-diffusion attaches to vLLM outside its own subclasses: one module per vLLM
-class it wraps, each wrapper naming its row of ``patches/README.md``. ``install()`` runs
-them all (idempotent; every process calls it through the plugin's ``register``). Each
-wrapper leaves models other than the plugin's untouched."""
+class it wraps (its row of ``patches/README.md``), each leaving other models untouched.
+``install()`` runs them all (idempotent; every process calls it through ``register``)."""
 
 from __future__ import annotations
 

@@ -1,34 +1,10 @@
-"""``AsyncLLM``: in-flight requests told when the server shuts down (patches/README.md row
-14). vLLM's ``AsyncLLM.shutdown`` stops the engine and cancels its output handler without
-telling the requests still streaming, so each stream (and with it uvicorn's graceful
-shutdown) waits until its client gives up. The wrapper ends every in-flight request with
-a 503 error once the engine is down, and in vLLM's default abort mode
-(``--shutdown-timeout 0``) before the engine aborts them, which would answer a plain request
-with a 200 holding a partial output and finish_reason "abort": vLLM's error handling
-answers it with HTTP 503 "the server is shutting down" (a stream gets it as its error
-chunk), without the traceback an engine failure logs. In drain mode the requests finish
-first; those the drain leaves get the 503.
-
-A request the HTTP server accepted just before the signal but had not yet handed to the
-engine would otherwise meet a renderer whose thread pool is shut down (HTTP 500 "cannot
-schedule new futures after shutdown") or a dead engine: once shutdown begins, rendering
-and ``add_request`` answer the same 503.
-
-A normal stop is not an engine failure (patches/README.md row 23): the stock shutdown
-stops the engine core and only then cancels the output handler, so the handler can read
-the engine's death first and log "AsyncLLM output_handler failed" with an
-``EngineDeadError`` traceback; once a diffusion engine's shutdown has begun, its core
-client's ``get_output_async`` ends the handler as the cancellation that was coming
-instead. And in abort mode vLLM gives the engine-core process no time between SIGTERM and
-SIGKILL (it gives ROCm 15 s for the same reason: a process killed mid-teardown leaves its
-resources behind), so on CPU the core and its worker died before unlinking their shared
-memory and semaphores, which Python's resource tracker then reported as leaked; the
-wrapper gives the process ``ENGINE_EXIT_GRACE_S`` to exit (it aborts its requests at once
-either way, by its own configuration). Last, the API server froze its start-up heap
-(``freeze_gc_heap``, so that collections skip it) and never unfreezes it: the frozen
-reference cycles then outlive the interpreter's finalization, among them Triton's
-bindings, and nanobind reported their types, functions and default arguments as leaked at
-every exit; the wrapper unfreezes the heap once the engine is down."""
+"""``AsyncLLM``: in-flight requests answered with HTTP 503 when the server shuts down
+(patches/README.md row 14), and a normal stop kept quiet (row 23 (c)-(e)): in abort mode
+before the stock shutdown (which would end a plain request as a 200 with finish_reason
+"abort") and in every mode after it, each request still streaming gets
+``shutting_down_error``; once shutdown has begun, rendering and ``add_request`` answer the
+same 503, the core client's ``EngineDeadError`` ends the output handler as a cancellation,
+the engine core gets ``ENGINE_EXIT_GRACE_S`` to exit, and the frozen heap is unfrozen."""
 
 from __future__ import annotations
 
@@ -42,8 +18,7 @@ from vllm_diffusion.seams._wrapping import first_wrap, serves_diffusion_model
 
 
 def shutting_down_error():
-    """An exception vLLM's API server turns into HTTP 503 (a ``GracefulHTTPError``: raised
-    through ``AsyncLLM.generate`` as is, answered with its status, no traceback)."""
+    """A ``GracefulHTTPError``: ``AsyncLLM.generate`` raises it as is, the server answers 503."""
     from http import HTTPStatus
 
     from vllm.exceptions import GracefulHTTPError
@@ -52,8 +27,7 @@ def shutting_down_error():
                              "retry it on another instance", HTTPStatus.SERVICE_UNAVAILABLE)
 
 
-# The diffusion engines, their renderers and their engine-core clients, whose shutdown has
-# begun.
+# The diffusion engines, their renderers and engine-core clients whose shutdown has begun.
 _SHUTTING_DOWN: weakref.WeakSet = weakref.WeakSet()
 
 # Seconds the engine-core process gets to exit after SIGTERM in abort mode (vLLM's ROCm
@@ -135,25 +109,22 @@ def install() -> None:
 
     def shutdown_and_end_in_flight_requests(self, timeout: float | None = None):
         handler = getattr(self, "output_handler", None)
-        ours = handler is not None and serves_diffusion_model(self.vllm_config)
         diffusion = serves_diffusion_model(getattr(self, "vllm_config", None))
+        ours = diffusion and handler is not None
         if diffusion:
             for part in (self, getattr(self, "renderer", None),
                          getattr(self, "engine_core", None)):
                 if part is not None:
                     _SHUTTING_DOWN.add(part)
         if ours and not timeout:
-            # Abort mode (vLLM's default, shutdown_timeout 0): answer 503 before the
-            # engine aborts the requests, which would end them as a 200 with
-            # finish_reason "abort".
+            # Abort mode (shutdown_timeout 0): 503 before the engine aborts the requests.
             on_loop(self, handler)
         shutdown(self, timeout=ENGINE_EXIT_GRACE_S if diffusion and not timeout else timeout)
         if diffusion:
             # Collectable again, so that the process's exit frees what the server froze.
             gc.unfreeze()
         if ours:
-            # What a drain left unfinished, and requests the cancelled handler never
-            # told.
+            # What a drain left unfinished, and requests the cancelled handler never told.
             on_loop(self, handler)
 
     AsyncLLM.shutdown = shutdown_and_end_in_flight_requests

@@ -1,12 +1,7 @@
-"""``InputProcessor``: request admission for the plugin's models (patches/README.md row
-3). Requests over the engine's limits on ``n``, bad words and grammar size (checked
-before vLLM validates a grammar or tokenizes bad words, ``request_limits.py``),
-unsupported sampling parameters, invalid per-request policy options, prompts containing
-the mask token and constraints that leave no token for the output (checked once vLLM has
-resolved the stop tokens and bad words) are rejected with a ``VLLMValidationError`` (HTTP
-400), before the request reaches the engine. Every error raised on this path for the
-plugin's models, vLLM's own validation's included, leaves with a message of at most 1 KB
-(``error_messages.py``)."""
+"""``InputProcessor``: request admission for the plugin's models (patches/README.md row 3):
+the request limits (``request_limits.py``, before vLLM builds a grammar or tokenizes bad
+words), then sampling parameters, policy options, prompts and constraints (``requests.py``)
+refused with HTTP 400, every error message capped at 1 KB (``error_messages.py``)."""
 
 from __future__ import annotations
 
@@ -33,9 +28,8 @@ def diffusion_config(processor: Any):
 
 
 def _capping_errors(method):
-    """``method`` of an ``InputProcessor``, whose errors for the plugin's models leave
-    with messages of at most 1 KB, vLLM's own validation's included
-    (``error_messages.errors_capped``); other models' errors are vLLM's as they are."""
+    """``method`` of an ``InputProcessor``, its errors for the plugin's models capped at
+    1 KB of message (``error_messages.errors_capped``)."""
 
     @functools.wraps(method)
     def capping(self, *args, **kwargs):

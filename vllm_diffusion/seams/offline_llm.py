@@ -1,7 +1,5 @@
-"""``OfflineInferenceMixin`` (``LLM``): a failed call's requests aborted (patches/README.md
-row 13). When ``LLM.generate`` (or any call that runs the in-process engine) raises, the
-requests it left unfinished are aborted, so their KV pages and diffusion state are freed
-and the next call starts clean instead of resuming half-stepped requests."""
+"""``OfflineInferenceMixin`` (``LLM``): a failed call's unfinished requests aborted, so the
+next call starts clean (patches/README.md row 13)."""
 
 from __future__ import annotations
 

@@ -1,16 +1,8 @@
-"""``OpenAIServingChat``, ``OpenAIServingCompletion``, ``OpenAIServingResponses``: what
-parsing an OpenAI request loses, checked for the plugin's models before the request
-becomes ``SamplingParams`` (patches/README.md row 22).
-
-- ``logit_bias``: ``SamplingParams.from_optional`` clamps every bias into [-100, 100],
-  which turns NaN into -100 (``max(-100.0, nan)`` is -100.0) and an infinity into +-100,
-  so a non-finite bias (the strings "NaN", "inf", "-Infinity", a NaN literal, 1e400, which
-  JSON reads as inf) no longer shows where the admission checks look (row 3). It is
-  refused here with HTTP 400 naming the token.
-- ``vllm_xargs``: its schema holds ``str | int | float`` values, so a JSON ``true``
-  arrives as 1 and an option ``threshold: true`` passed as 1.0. The booleans of the
-  request's JSON body are put back, so the options parser refuses a boolean where a
-  number is expected (and takes it where a boolean is).
+"""The OpenAI endpoints' handlers: what parsing a request loses, checked for the plugin's
+models before it becomes ``SamplingParams`` (patches/README.md row 22). A non-finite
+``logit_bias`` (which ``SamplingParams`` would clamp to +-100) is refused with HTTP 400;
+the JSON booleans of ``vllm_xargs`` (which its ``str | int | float`` schema turns into 1)
+are put back, so the options parser refuses a boolean where a number is expected.
 """
 
 from __future__ import annotations
@@ -32,10 +24,9 @@ def _holds_boolean(value: Any) -> bool:
 
 
 def restore_booleans(xargs: dict[str, Any] | None, body: Any) -> None:
-    """Put back into ``xargs`` (the parsed ``vllm_xargs``, changed in place) each value
-    that the JSON ``body`` gave as a boolean, or as a list holding one; only where the
-    parsed value is that value coerced, so a body that is not this request's own (an
-    Anthropic or Cohere request turned into a chat one) changes nothing."""
+    """Put back into ``xargs`` (the parsed ``vllm_xargs``, in place) each value the JSON
+    ``body`` gave as a boolean, or a list holding one, where the parsed value is that value
+    coerced (a body not this request's own, e.g. an Anthropic one, changes nothing)."""
     given = body.get("vllm_xargs") if isinstance(body, Mapping) else None
     if not xargs or not isinstance(given, Mapping):
         return

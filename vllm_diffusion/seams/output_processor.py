@@ -1,18 +1,8 @@
 """``OutputProcessor``: step maps cut with the output (patches/README.md row 10), and a
-request the engine ended with an error answered with its reason (row 18).
-
-When a stop string ends the output inside a step, the detokenizer drops the surplus
-tokens; the request's step map (``kv_transfer_params["diffusion_step_map"]``, one entry
-per output token) is cut to match.
-
-A request the diffusion runner ended with an error carries the reason in its
-``stop_reason`` (``step.failures``); vLLM's API server would answer every
-``finish_reason`` "error" with a bare HTTP 500 "Internal server error". For requests
-served through ``AsyncLLM`` (the server), the failure replaces the request's output with a
-``GracefulHTTPError`` of its status and message (at most 1 KB, ``error_messages.py``),
-which ``AsyncLLM.generate`` raises as is:
-the client gets that status and message (a stream as its error event). The offline
-``LLM`` keeps vLLM's output, with the reason as ``stop_reason``."""
+request the engine ended with an error answered with its reason (row 18): for requests
+served through ``AsyncLLM``, the failure in ``stop_reason`` (``step.failures``) replaces
+the output with a ``GracefulHTTPError`` of its status and message, which
+``AsyncLLM.generate`` raises as is; the offline ``LLM`` keeps vLLM's output."""
 
 from __future__ import annotations
 

@@ -1,16 +1,7 @@
-"""vLLM's stat loggers: the diffusion metric names (patches/README.md row 7).
-
-vLLM names its diffusion counters only when ``model_config.is_diffusion``, which would
-switch on the Model Runner V2 diffusion path. For the plugin's models:
-
-- Prometheus: ``DiffusionPrometheusStatLogger``, registered through vLLM's stat-logger
-  plugin entry point (``vllm.stat_logger_plugins``), exports the counters under vLLM's
-  diffusion names (``vllm:diffusion_num_denoising_steps`` ...), which ``vllm bench serve``
-  reads, plus the plugin's own (positions after eviction, positions per layer, ...,
-  decoded by ``metrics.decode_counters``). For other models it is vLLM's Prometheus
-  logger.
-- Logging: a plugin can add loggers but not replace vLLM's default logging one, so
-  ``LoggingStatLogger.__init__`` is wrapped to log the counters as diffusion steps.
+"""vLLM's stat loggers: the diffusion metric names for the plugin's models (patches/README.md
+row 7). ``DiffusionPrometheusStatLogger`` (entry point ``vllm.stat_logger_plugins``) exports
+vLLM's diffusion counters and the plugin's own (``metrics.decode_counters``); vLLM's
+default logging logger, which a plugin cannot replace, is wrapped to log them as steps.
 """
 
 from __future__ import annotations

@@ -1,12 +1,7 @@
-"""Why one request ended with an error in a diffusion step, as it travels to its client.
-
-The runner finishes a request alone when its host-side step work fails (the others go
-on); the scheduler ends it as vLLM ends a failed request (``FINISHED_ERROR``, its KV
-freed) and puts the reason in the output's ``stop_reason`` -- the declared per-request
-field vLLM carries from the engine core to the ``RequestOutput`` -- as
-``"vllm-diffusion error <HTTP status>: <message>"``. The offline ``LLM`` returns it as the
-choice's ``stop_reason`` (``finish_reason`` "error"); the API server answers with that
-status and message (``seams/output_processor.py``; a stream gets it as its error event).
+"""Why one request ended with an error in a diffusion step, as it travels to its client: the
+scheduler ends it as ``FINISHED_ERROR`` with ``"vllm-diffusion error <HTTP status>:
+<message>"`` as its ``stop_reason``, the per-request field vLLM carries to the
+``RequestOutput`` (``seams/output_processor.py``; docs/limits.md, "Failure handling").
 """
 
 from __future__ import annotations
@@ -22,16 +17,14 @@ _PATTERN = re.compile(rf"^{_PREFIX}(\d{{3}}): (.*)$", re.DOTALL)
 
 
 class RequestFailure(Exception):
-    """Raised by one request's step work when the request cannot go on; ``status`` is the
-    HTTP status its client gets."""
+    """Raised by one request's step work when it cannot go on; ``status``: its HTTP status."""
 
     status = 500
 
 
 class UnsatisfiableRequest(RequestFailure):
-    """No token satisfies the request's constraints at a position its output needs, or
-    its sampling parameters make the logits there non-finite: the request asked for
-    something that cannot be decoded (a client error)."""
+    """No token satisfies the request's constraints at a position its output needs, or its
+    logits there are non-finite: a client error."""
 
     status = 400
 
@@ -42,10 +35,8 @@ _GRAMMAR_KINDS = {"JSON": "JSON schema", "JSON_OBJECT": "JSON object grammar",
 
 
 class UncompilableGrammar(RequestFailure):
-    """The structured-output backend could not compile the request's grammar (an error
-    in it, or compilation past the backend's time limit) although vLLM's admission
-    check, which only parses it, passed it: a client error naming the grammar's kind
-    and the backend's reason."""
+    """The structured-output backend could not compile the grammar vLLM's admission (which
+    only parses it) passed: a client error naming the grammar's kind and the reason."""
 
     status = 400
 
@@ -58,11 +49,8 @@ class UncompilableGrammar(RequestFailure):
 
 
 class NoProgress(RequestFailure):
-    """The request wrote no token and ended no block for the engine's limit of
-    consecutive denoising steps (``diffusion_max_steps_without_progress``; steps its
-    commit schedule leaves empty by design are not counted)."""
-
-    status = 500
+    """No token written, no block ended, for ``diffusion_max_steps_without_progress``
+    consecutive denoising steps (steps its commit schedule leaves empty not counted)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,11 +77,10 @@ class Failure:
 
 def count_progress(request: Any, progressed: bool, limit: int,
                    scheduled_idle: bool = False) -> None:
-    """After one of the request's denoising steps (``request``: its ``DiffusionRequest``):
-    raise ``NoProgress`` once it has written no token and ended no block for ``limit``
-    consecutive steps. A step its commit schedule left empty by design
-    (``scheduled_idle``, ``StepDecision.idle``) neither counts nor resets:
-    the schedule itself bounds such steps."""
+    """After a denoising step of ``request`` (a ``DiffusionRequest``): raise
+    ``NoProgress`` after ``limit`` consecutive steps without progress. A step its commit
+    schedule left empty by design (``scheduled_idle``, ``StepDecision.idle``) neither
+    counts nor resets: the schedule itself bounds such steps."""
     if progressed:
         request.steps_without_progress = 0
         return

@@ -1,13 +1,8 @@
-"""What a step's forward hooks see and answer.
-
-The model's layers call the hook points a policy declares (``LayerHooks``) with a
-``LayerInput``; a hook answers with the rows that continue (``RowSelection``) or with the
-keys each request's block rows see in the layer's attention (``keys.KeySelection``). A key
-selection that reads nothing the forward computes is declared ``preselect_keys`` and made
-before the forward (``preselected_keys``): a step whose hooks declare nothing else
-runs the model whole, as vLLM built it. What a layer's attention selects for the policy
-comes back through ``after_key_scoring``, after that attention (preselected keys:
-after the forward).
+"""What a step's forward hooks see and answer: the model's layers call the hook points a policy
+declares (``LayerHooks``) with a ``LayerInput``; a hook answers with the rows that continue
+(``RowSelection``) or the keys each request's block rows see (``keys.KeySelection``;
+``preselect_keys``: made before the forward, so a step declaring nothing else runs the
+model whole). What an attention selected returns through ``after_key_scoring``.
 """
 
 from __future__ import annotations
@@ -72,11 +67,10 @@ class ForwardStep:
 
 @dataclasses.dataclass
 class RowSelection:
-    """Rows that continue past a hook. ``keep``: [T] bool (host) over the rows that
-    entered the layer; ``kv_lens``: request index -> its new key length from this layer's
-    attention on (requests not named keep theirs)."""
+    """Rows that continue past a hook."""
 
-    keep: torch.Tensor
+    keep: torch.Tensor  # [T] bool (host) over the rows that entered the layer
+    # request index -> its new key length from this layer's attention on (others keep theirs)
     kv_lens: dict[int, int] | None = None
 
 
@@ -123,11 +117,9 @@ class StepHooks:
         return None
 
     def preselected_keys(self, layer: int) -> KeySelection | None:
-        """A ``preselect_keys`` layer's key selection, made before the forward; None: every
-        request attends densely there."""
+        """A ``preselect_keys`` layer's key selection, made before the forward (None: dense)."""
         return None
 
     def after_key_scoring(self, layer: int, selected: SelectedPrefix) -> None:
-        """After the attention of a layer whose key selection named scoring requests
-        (``KeySelection.scoring``; a preselected one: after the whole forward): the
-        prefix positions that attention selected for each of them."""
+        """The prefix positions a layer's attention selected for its scoring requests
+        (``KeySelection.scoring``), after that attention (preselected: after the forward)."""

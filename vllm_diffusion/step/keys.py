@@ -1,19 +1,14 @@
 """Key selection: which committed-prefix keys a request's block rows attend to at a layer.
-
-A policy's ``select_keys`` hook (or, made before the forward, its ``preselected_keys``)
-returns a ``KeySelection`` per layer, which goes to that layer's attention in the layer's
-view, and the attention honours it
-(``attention/key_selection.py``): requests in ``sparse`` attend, with their block rows, to
-their kept prefix positions plus their block; requests in ``scoring`` attend densely and
-select their kept positions from this layer's block queries; every other row attends
-densely. What the attention selects for the scoring requests (``SelectedPrefix``) goes back
-to the policy through the hooks (``StepHooks.after_key_scoring``), after that attention
-(a preselected selection's: after the forward).
+A ``KeySelection`` from a policy's hooks is honoured by that layer's attention
+(``attention/key_selection.py``): ``sparse`` requests' block rows attend to their kept
+prefix positions plus their block; ``scoring`` requests attend densely and select their
+kept positions (``SelectedPrefix``, back through ``StepHooks.after_key_scoring``).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections.abc import Sequence
 from typing import Any
 
@@ -54,9 +49,7 @@ class RowSplit:
         ends = query_start_loc[1:]
         first_sparse = {r: ends[r] - block_rows[r] for r in sparse}
         sparse_rows = [i for r in sparse for i in range(first_sparse[r], ends[r])]
-        sparse_loc = [0]
-        for r in sparse:
-            sparse_loc.append(sparse_loc[-1] + block_rows[r])
+        sparse_loc = list(itertools.accumulate((block_rows[r] for r in sparse), initial=0))
         dense_rows, dense_loc, dense_requests = [], [0], []
         for r, start in enumerate(query_start_loc[:-1]):
             end = first_sparse.get(r, ends[r])

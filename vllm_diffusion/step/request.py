@@ -1,13 +1,7 @@
-"""The diffusion state of one request, kept by the runner from its first step to its end.
-
-``DiffusionRequest`` holds everything the engine knows about a request beyond vLLM's own
-bookkeeping: its policy options and policy state, its slot (``step.slots``), the canvas of
-its current block (with its denoising-step counters), and the decode step of every emitted
-token (its step map). The runner creates it at the request's first step, keeps it (and its
-slot) across preemption (a resumed request continues its block, and the policy is told
-that the block's KV was lost), and drops it, giving its slot back, when the request
-finishes, fails or is aborted. It is generic in the policy's config and state types, so a
-policy's methods name exactly what they read.
+"""The diffusion state of one request (``DiffusionRequest``), kept by the runner with its slot
+from its first step to its end, across preemption: its policy options and state, its
+current block's canvas and the decode step of every emitted token. Generic in the policy's
+config and state types.
 """
 
 from __future__ import annotations
@@ -23,10 +17,7 @@ from vllm_diffusion.step.slots import BlockSlots
 class BlockCanvas:
     """The current block of one request, as the runner denoises it: row ``slot`` of
     ``slots`` (its tokens and decode steps, written in place) and the block's counters.
-
-    ``BlockCanvas(start, tokens)`` makes a canvas on slots of its own (outside a runner);
-    the runner's canvases share its ``BlockSlots``, all of a request's blocks on one row.
-    """
+    ``BlockCanvas(start, tokens)`` makes one on slots of its own (outside a runner)."""
 
     def __init__(self, start: int, tokens: torch.Tensor | None = None, *,
                  slots: BlockSlots | None = None, slot: int | None = None,
@@ -43,14 +34,14 @@ class BlockCanvas:
         self.post_steps = 0  # of them, steps that began with no masked position (editing)
         self.edits = 0  # filled positions given another token in this block (editing)
         self.first_step = first_step  # the request's denoising steps before this block
-        # [B, 2 + 2k] float64 (host): each position's logprob columns from the step that
-        # last changed it (``worker/logprobs.py``); None unless the request asks for them
+        # [B, 2 + 2k] float64 (host): each position's logprob columns from the step that last
+        # changed it (``worker/logprobs.py``); None unless the request asks for them
         self.logprobs: torch.Tensor | None = None
         # the state a policy's block rewriting keeps for the block (where the model's edits
         # move tokens: ``policies/parts/strategy_unmasking.py``), or None
         self.rewrite_state: Any = None
-        # The block ended on a step that computed all of it and changed nothing (a stable
-        # end of token editing): that forward's KV is the committed KV, its commit reuses it
+        # ended on a step that computed all of it and changed nothing (stable token editing):
+        # that forward's KV is the committed KV, which the commit reuses
         self.final_kv = False
 
     @property
@@ -125,20 +116,16 @@ class DiffusionRequest(Generic[ConfigT, StateT]):
     canvas: BlockCanvas | None = None
     # decode step of every emitted token (kept only when the request asked for it)
     step_map: list[int] = dataclasses.field(default_factory=list)
-    # the request's structured-output matcher (vLLM's ``StructuredOutputGrammar``), its
-    # state the emitted output (``worker/grammar.py``); None without structured output
+    # its structured-output matcher (vLLM's ``StructuredOutputGrammar``, in the state of the
+    # emitted output: ``worker/grammar.py``); None without structured output
     grammar: Any = None
-    # The runner's mark that no policy may skip or evict this request's rows (set for a
-    # request with a grammar, whose walk reads every position right of the leftmost
-    # undecided one)
+    # no policy may skip or evict its rows (set with a grammar, whose walk reads every
+    # position right of the leftmost undecided one)
     keep_all_rows: bool = False
     bounds: OutputBounds = OutputBounds()
-    # consecutive denoising steps that wrote no token and ended no block (the runner ends
-    # the request at the engine's limit)
-    steps_without_progress: int = 0
-    # The runner's block slots and the request's slot in them (``step.slots``): its
-    # canvases are that row, and the policies' slot tables hold its per-position state
-    # there. None for a request made apart from a runner (its canvases on slots of their own)
+    steps_without_progress: int = 0  # consecutive steps with no token written, no block ended
+    # the runner's block slots and the request's row in them (its canvases, the policies'
+    # slot tables); None apart from a runner (its canvases on slots of their own)
     block_slots: BlockSlots | None = None
     slot: int | None = None
 

@@ -1,16 +1,13 @@
-"""The rows a step's forward is computing now: ``StepRows``.
-
-The step's forward owns one per step with every planned row: the run object
-(``models/step_run.py``) on a step with hooks, the step's forward itself on a step without.
-When a hook drops rows the run narrows it (``keep_queries``, ``keep_keys``) and hands each
-layer's attention a read-only view of it (``attention.backend.BlockDiffusionMetadata``).
-Narrowing replaces the fields (new tensors, new tuples), never changes them in place, so a
-view made earlier keeps the rows it was made with.
+"""The rows a step's forward is computing now: ``StepRows``, owned by the step's run
+(``models/step_run.py``) or its forward. Narrowing (``keep_queries``, ``keep_keys``)
+replaces fields, never changes them in place, so an attention's view made earlier keeps
+its rows.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections.abc import Sequence
 
 import torch
@@ -38,10 +35,7 @@ class StepRows:
         self.query_positions = self.query_positions[keep_rows]
         counts = [int(keep[a:b].sum()) for a, b in
                   zip(self.query_start_loc[:-1], self.query_start_loc[1:])]
-        loc = [0]
-        for count in counts:
-            loc.append(loc[-1] + count)
-        self.query_start_loc = tuple(loc)
+        self.query_start_loc = tuple(itertools.accumulate(counts, initial=0))
         if kv_lens:
             self.kv_lens = tuple(kv_lens.get(r, kv_len) for r, kv_len in enumerate(self.kv_lens))
 

@@ -1,16 +1,8 @@
-"""Step state that persists per request slot, updated in place and read without restacking.
-
-A live request holds one slot from its first step until it finishes, fails or is aborted
-(a preempted request keeps its slot, so its block survives the preemption). Row s of every
-slot-indexed tensor belongs to the request in slot s:
-
-- ``BlockSlots`` (the runner's): the slot allocator and the current blocks' tokens and
-  decode steps, [S, B] host tensors; a request's ``BlockCanvas`` reads and writes its row;
-- ``SlotTable`` (a policy's): per-position state of the policy, [S, ...] on any device,
-  grown to cover whichever slot it is asked for.
-
-A step's [R, B] view of its blocks is then one index of these tensors by the blocks'
-slots ([R] int64), not a stack of per-request tensors.
+"""Step state that persists per request slot, updated in place and read without restacking:
+a live request holds one slot from its first step to its end (kept across preemption), and
+row s of every slot-indexed tensor is the request in slot s: ``BlockSlots`` (the runner's
+current blocks, [S, B] host tensors), ``SlotTable`` (a policy's state, [S, ...]). A step's
+[R, B] view is one index by its blocks' slots ([R] int64), not a stack.
 """
 
 from __future__ import annotations
@@ -23,21 +15,18 @@ import torch
 
 
 class BlockSlots:
-    """The slot allocator and the current block of every slot.
-
-    tokens: [S, B] int64, the block's tokens (mask_token_id where undecided);
-    decoded_at: [S, B] int64, the request's denoising step that last changed each position
-        (-1 where fixed or still masked).
-    Slots are handed out lowest first; when none is free the tensors double (their rows
-    kept), so ``capacity`` is only the starting size. Read rows through ``tokens[slot]``
-    when needed, not views kept across steps: growing replaces the tensors.
-    """
+    """The slot allocator and the current block of every slot. Slots are handed out lowest
+    first; when none is free the tensors double (rows kept): read rows through
+    ``tokens[slot]`` when needed, not views kept across steps (growing replaces them)."""
 
     def __init__(self, block_size: int, capacity: int = 1) -> None:
         if capacity < 1:
             raise ValueError(f"a BlockSlots needs at least one slot, got {capacity}")
         self.block_size = block_size
+        # [S, B] int64: the blocks' tokens (mask_token_id where undecided)
         self.tokens = torch.zeros(capacity, block_size, dtype=torch.long)
+        # [S, B] int64: the request's denoising step that last changed each position (-1
+        # where fixed or still masked)
         self.decoded_at = torch.full((capacity, block_size), -1, dtype=torch.long)
         self._free = list(range(capacity))  # a heap: the lowest free slot first
         self._used: set[int] = set()
@@ -75,11 +64,8 @@ class BlockSlots:
 
 class SlotTable:
     """A policy's per-slot state: ``data`` [S, *row_shape], row s the request in slot s.
-
-    Made empty; ``covering`` grows it (rows kept, new rows ``fill``) to the slots asked
-    for, at least doubling so that growth is rare. A row keeps what its last holder left:
-    the policy resets it when a request's block starts (``reset``).
-    """
+    Made empty; ``covering`` grows it (at least doubling; new rows ``fill``). A row keeps
+    what its last holder left: the policy resets it when a request's block starts."""
 
     def __init__(self, row_shape: tuple[int, ...], dtype: torch.dtype, fill: float = 0,
                  device: torch.device | str = "cpu") -> None:
@@ -120,9 +106,8 @@ def slot_index(requests: Sequence[Any]) -> torch.Tensor:
 
 
 def block_tokens(canvases: Sequence[Any]) -> torch.Tensor:
-    """[R, B] int64: the tokens of these blocks (``BlockCanvas``es), one index of the
-    ``BlockSlots`` they are rows of. Canvases made apart from a runner, each on slots of
-    its own, are stacked instead."""
+    """[R, B] int64: the tokens of these blocks (``BlockCanvas``es), one index of their
+    ``BlockSlots`` (stacked where each has slots of its own, apart from a runner)."""
     slots = canvases[0].slots
     if all(c.slots is slots for c in canvases):
         return slots.tokens[torch.tensor([c.slot for c in canvases], dtype=torch.long)]

@@ -1,31 +1,7 @@
 """``bad_words`` in block decoding: no bad word ever appears in the committed output.
-
-vLLM tokenizes each word (with and without a leading space) into
-``SamplingParams.bad_words_token_ids`` and, autoregressively, bars a word's last token
-when the output ends with the rest of it. Block decoding fills positions in any order and
-several in one step, so here:
-
-- at every computed position, a token is barred when placing it there would complete a
-  word whose other tokens already sit, decided, at the neighbouring output positions (on
-  either side: a word's last token may be decided before its first); a one-token word is
-  barred everywhere (``barred_tokens``, the logit stage);
-- a step that commits or edits several positions can still complete a word from tokens
-  decided in the same step; then the rightmost position of that occurrence changed in
-  the step is left as it was (masked, or its old token), and the next step bars the token
-  there (``positions_to_undo``, applied after the policy's choice). Each occurrence has at
-  least two positions changed in the step, so every step still commits something.
-
-Only the output counts, as in vLLM: a word may occur in the prompt, and an occurrence may
-not reach into it. Output positions are indices into the output (0: the first token after
-the prompt); undecided positions hold -1 (word tokens are vocabulary ids, >= 0).
-
-Cost: ``barred_tokens`` and ``positions_to_undo`` look up words through ``BadWords``, an
-index by a word's last token and by the token before it, sorted by length: a position
-checks only words whose last (or next-to-last) token sits where the word would end, and
-that fit between the output's start and its decided run of tokens. Words longer than the
-output so far are never compared. ``barred_tokens_plain`` and ``positions_to_undo_plain``
-are the plain loops over every word and offset, with the same signatures and results
-(``tests/test_bad_words.py`` compares them on a grid).
+Tokens completing a word with the decided tokens on either side are barred
+(``barred_tokens``); a word completed within one step is undone (``positions_to_undo``).
+Positions index the output, ``UNDECIDED`` where undecided; docs/architecture.md, "Bad words".
 """
 
 from __future__ import annotations
@@ -37,10 +13,9 @@ UNDECIDED = -1
 
 
 class BadWords(Sequence):
-    """A request's bad words (each a list of token ids), indexed for matching: a sequence
-    of the words, plus the words grouped by their last token (``ending_in``) and the
-    words of two tokens or more by their next-to-last token (``before_last``), each group
-    sorted by length with the lengths alongside (for ``bisect``)."""
+    """A request's bad words (token id lists) as a sequence, indexed by last token
+    (``ending_in``) and, for words of two tokens or more, by next-to-last token
+    (``before_last``), each group sorted by length, lengths alongside (for ``bisect``)."""
 
     def __init__(self, words: Sequence[Sequence[int]]) -> None:
         # vLLM's lists as they are (copying a long word each step would cost its length)
@@ -73,8 +48,7 @@ def indexed(words: Sequence[Sequence[int]]) -> BadWords:
 def barred_tokens(context: list[int], index: int, words: Sequence[Sequence[int]]
                   ) -> set[int]:
     """Tokens that would complete a word at output position ``index`` of ``context`` (the
-    output so far, ``UNDECIDED`` where not decided). ``words``: a ``BadWords``, or the
-    words (indexed here; pass a ``BadWords`` to index once for many positions)."""
+    output so far). ``words``: a ``BadWords`` (indexed once for many positions), or words."""
     words = indexed(words)
     size = len(context)
     if not 0 <= index < size:
@@ -147,10 +121,9 @@ def barred_tokens_plain(context: list[int], index: int, words: Sequence[Sequence
 def positions_to_undo_plain(context: list[int], changed: list[int],
                             words: Sequence[Sequence[int]]) -> list[int]:
     """``positions_to_undo`` as a plain loop over every word and start (the reference)."""
-    changed_set = set(changed)
-    undo = set()
     if not changed:
         return []
+    changed_set, undo = set(changed), set()
     low, high = min(changed), max(changed)
     for word in words:
         word, length = list(word), len(word)
@@ -167,9 +140,8 @@ def undo_completed_words(context: list[int], first_output: int,
                          words: Sequence[Sequence[int]], commits, edits, before, after,
                          mask_token_id: int) -> None:
     """Apply ``positions_to_undo`` to one block's step decisions, in place, until no
-    occurrence is left. context: the output before the step (``UNDECIDED`` where masked);
-    first_output: the output index of the block's first position; commits, edits: [B]
-    bool; before, after: [B] int64 the block's tokens before and after the step."""
+    occurrence is left. context: the output before the step; first_output: the block's
+    first output index; commits, edits: [B] bool; before, after: [B] int64 tokens."""
     words = indexed(words)
     while True:
         context_after = list(context)

@@ -1,13 +1,6 @@
-"""What a step does to its blocks once their proposals are made: the policy decides what
-changes in every block at once (``decide``: a ``StepDecision``, then held within the
-requests' grammars and bad words), and each block's canvas takes it and emits its newly
-final tokens (``apply``): its commits and edits, or, where the model's edits move tokens,
-its rewriting.
-
-``ProposedBlocks`` is the step's proposals as the runner made them: [R, B] grids over the
-R denoised blocks (host tensors), with each block's request and vLLM state and the blocks
-as they were before the step (read from the runner's block slots at once). A block's
-canvas is its slot's row: taking a step writes that row in place.
+"""What a step does to its blocks once their proposals are made: the policy's decision for
+all blocks (``decide``, held within grammars and bad words), then each block's canvas (its
+slot's row, written in place) takes it and emits its newly final tokens (``apply``).
 """
 
 from __future__ import annotations
@@ -59,9 +52,8 @@ class ProposedBlocks:
 
 @dataclasses.dataclass
 class BlockChanges:
-    """The policy's decision for the step's R blocks (``decision``), held within the
-    requests' grammars and bad words: [R, B] tensors (host) and their per-block summaries
-    (all zero / empty where the decision rewrites blocks)."""
+    """The policy's decision for the step's R blocks, held within grammars and bad words:
+    [R, B] host tensors and per-block summaries (empty where the decision rewrites)."""
 
     decision: StepDecision
     commits: torch.Tensor  # [R, B] bool: positions unmasked
@@ -72,15 +64,13 @@ class BlockChanges:
     no_mask_left: list[bool]
     num_edited: list[int]  # filled positions given a new token, per block
     began_unmasked: list[bool]  # the step started with no masked position
-    # the block's commit schedule left this step empty by design
-    # (``StepDecision.idle``): not a step without progress
+    # left empty by design (``StepDecision.idle``): not a step without progress
     scheduled_idle: list[bool]
 
 
 class BlockUpdates:
-    """The block updates of one runner, with what they need of it: the mask token, the
-    limit of steps without progress, its counters and grammar matchers. The policy is
-    given at each call (the warm-up decodes with a policy instance of its own)."""
+    """The block updates of one runner. The policy is given at each call (the warm-up
+    decodes with a policy instance of its own)."""
 
     def __init__(self, mask_token_id: int, max_steps_without_progress: int,
                  stats: DiffusionStats, grammars: GrammarCompiler) -> None:
@@ -91,8 +81,7 @@ class BlockUpdates:
 
     def decide(self, step: ProposedBlocks, policy: DecodingPolicy,
                failures: StepFailures) -> BlockChanges:
-        """The policy's decision for every block (one call for the whole batch), within
-        the requests' grammars and bad words."""
+        """The policy's decision for every block at once, within grammars and bad words."""
         grid, grammar, masked, context = step.grid, step.grammar, step.masked, step.context
         requests, blocks = step.requests, step.blocks
         proposals, confidence = grid.tokens, grid.confidence
@@ -118,12 +107,8 @@ class BlockUpdates:
             scheduled_idle = [idle and not f for idle, f in zip(scheduled_idle, forced)]
         if grammar.active:
             grammar.include_first(commits)
-        tokens_after = torch.where(commits, proposals, tokens_before)
-        edits = decision.edits
-        if edits is not None:
-            tokens_after = torch.where(edits, proposals, tokens_after)
-        else:
-            edits = torch.zeros_like(commits)
+        edits = decision.edits if decision.edits is not None else torch.zeros_like(commits)
+        tokens_after = torch.where(commits | edits, proposals, tokens_before)
         for i, block_words in enumerate(context.words):
             if block_words:
                 undo_completed_words(context.output_canvas[i], blocks[i].canvas.start
@@ -202,11 +187,9 @@ class BlockUpdates:
     def _finish_step(self, policy: DecodingPolicy, step: ProposedBlocks, i: int,
                      block_done: bool, num_decoded: int, num_edited: int, tokens: list[int],
                      scheduled_idle: bool, final_when_filled: bool) -> EmittedTokens:
-        """After block ``i``'s step (its canvas updated): tell the policy, emit the newly
-        final tokens (``tokens``: the block now; the decoded run after the known tokens,
-        or, where its tokens may still change (not ``final_when_filled``), nothing until
-        the block ends), count (``scheduled_idle``: the block's schedule left the step
-        empty by design)."""
+        """After block ``i``'s step (its canvas updated, ``tokens`` the block now): tell the
+        policy, emit the decoded run after the known tokens (where its tokens may still
+        change, not ``final_when_filled``, nothing until the block ends), count."""
         block, state = step.blocks[i], step.states[i]
         request, canvas = block.request, block.canvas
         policy.after_step(request, step.masked[i], step.grid.computed[i], num_decoded,

@@ -1,24 +1,6 @@
-"""What one denoising step computes for a full-attention request (``CanvasGeometry``).
-
-Every position attends to every other, so a step computes the request's whole sequence:
-its known tokens (prompt and emitted output) before the current block, the block's canvas
-(decided tokens and masks), then masks to the canvas's end. Keys reach the canvas's end,
-nothing is committed (the published loops recompute every position at every step; under
-Fast-dLLM's caches, ``CanvasGeometry.cache_mode``, only a block's first step does, and the
-later ones compute the block, and the canvas after it under ``prefix``, against the KV it
-wrote), and logits are made for the block's rows only: the canvas past the block is never decoded
-before its block (LLaDA's semi-autoregressive blocks). Where the model's logits are
-shifted (``ModelCapabilities.shifted_logits``: Dream's position j is predicted by row
-j - 1), the block's logits come from the rows one before it: from the last known token's
-row (vLLM refuses an empty prompt, so a block never starts at row 0). Under a cache, a
-shifted model decodes by Fast-dLLM's Dream block loop: the refresh decides the block's
-first position alone, committed whatever the policy's rule (``RequestRows.
-commit_candidates``), and the later steps read the rest of the block from the rows of the
-window they compute (position j from row j - 1, the first position being decided).
-
-A request that vLLM's token budget scheduled only part of (a step shared by more
-sequences than the budget holds) computes nothing this step and waits for a later one:
-no part of a full-attention sequence can be computed alone.
+"""What one denoising step computes for a full-attention request (``CanvasGeometry``): the
+whole sequence to the canvas's end, nothing committed, logits for the block's rows only
+(one row earlier where shifted). See docs/architecture.md, "Full attention".
 """
 
 from __future__ import annotations
@@ -32,9 +14,8 @@ from vllm_diffusion.worker.geometry import BlockGeometry, CanvasGeometry
 from vllm_diffusion.worker.shifted_plan import ShiftedBlockPlanner
 from vllm_diffusion.worker.step_plan import BlockPlanner, KnownTokens, RequestRows, whole_block
 
-# The token standing at a block's positions past the canvas's end (max_tokens or
-# max_model_len): decided from the block's start, never computed and never output (the
-# request ends at max_tokens before them).
+# The token at a block's positions past the canvas's end: decided from the block's start,
+# never computed, never output (the request ends at max_tokens before them).
 PAST_CANVAS_TOKEN = 0
 
 
@@ -76,7 +57,7 @@ def plan_canvas_request(req_id: str, token_ids: KnownTokens, num_computed: int,
     positions = (whole_block(block_size) if computed == block_size
                  else torch.arange(computed))
     first_alone = False
-    if cached and logits_shift:  # Fast-dLLM's Dream block loop (see the module doc)
+    if cached and logits_shift:  # Fast-dLLM's Dream block loop (docs/architecture.md)
         first_alone = refresh and int(canvas.tokens[0]) == mask_token_id
         positions = positions[:1] if first_alone else positions[1:]
     return RequestRows(req_id, list(rows), tokens, end, 0, request, positions,
@@ -87,13 +68,11 @@ def plan_canvas_request(req_id: str, token_ids: KnownTokens, num_computed: int,
 
 
 class CanvasPlanner:
-    """Plans full-attention steps (``plan_canvas_request``) for the runner; a shifted
-    model's block logits are read one row earlier (``logits_shift`` 1)."""
+    """Plans full-attention steps (``plan_canvas_request``) for the runner."""
 
     def __init__(self, geometry: CanvasGeometry, mask_token_id: int,
                  logits_shift: int = 0) -> None:
-        self.geometry, self.mask_token_id = geometry, mask_token_id
-        self.logits_shift = logits_shift
+        self.geometry, self.mask_token_id, self.logits_shift = geometry, mask_token_id, logits_shift
 
     def plan(self, req_id: str, token_ids: KnownTokens, num_computed: int, num_scheduled: int,
              request: DiffusionRequest, policy: DecodingPolicy, resumed: bool,
@@ -106,8 +85,7 @@ class CanvasPlanner:
 
 def row_planner(geometry: BlockGeometry | CanvasGeometry, mask_token_id: int,
                 model: ModelCapabilities) -> BlockPlanner | CanvasPlanner:
-    """The planner of the served model's geometry (``model``: its capabilities; where its
-    logits are shifted, a block's logits are read one row earlier)."""
+    """The planner of the served model's geometry (``model``: its capabilities)."""
     if isinstance(geometry, CanvasGeometry):
         return CanvasPlanner(geometry, mask_token_id, int(model.shifted_logits))
     if model.shifted_logits:

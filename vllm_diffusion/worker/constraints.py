@@ -1,19 +1,7 @@
-"""A request's own constraints on the tokens of its output, outside the logit stages.
-
-Two uses in a step:
-
-- ``unsatisfiable_blocks``: the proposal pipeline flags rows whose logits left no token
-  (``allowed_token_ids``, ``bad_words``, ``min_tokens``, the grammar and the mask token
-  together bar every one) or are not finite (a penalty or bias overflowed). Such a row is
-  never committed. Where it is the block's leftmost undecided position, every position
-  before it is decided, so the output needs a token there and cannot get one: the request
-  ends with an error naming why (``step.failures.UnsatisfiableRequest``). Barring only
-  grows as neighbours are decided, so waiting would not help. A block whose tokens may
-  move (``rewrites``) needs every position: any flagged row ends it.
-- ``PositionRules``: what the grammar walk (``grammar.py``) checks a forced token against
-  before taking it, since forced text bypasses the logits: ``allowed_token_ids``, the
-  stop tokens ``min_tokens`` bars and the bad words (with the walked tokens as context).
-  A finite ``logit_bias`` or penalty bars no token, so neither is checked here.
+"""A request's own constraints on the tokens of its output, outside the logit stages:
+``unsatisfiable_blocks`` (a flagged row at the leftmost undecided position ends the
+request) and ``PositionRules`` (what the grammar walk checks a forced token against, since
+forced text bypasses the logits). See docs/architecture.md, "Proposal stages".
 """
 
 from __future__ import annotations
@@ -29,8 +17,7 @@ from vllm_diffusion.worker.sampling import ROW_NO_TOKEN, ROW_VALID
 
 
 def constraints_in_use(params: Any, output_index: int) -> list[str]:
-    """The request's parameters that bar tokens at ``output_index``, as the error names
-    them."""
+    """The request's parameters that bar tokens at ``output_index``, as errors name them."""
     used = []
     if params.allowed_token_ids is not None:
         used.append(f"allowed_token_ids={sorted(params.allowed_token_ids)[:16]}")
@@ -134,9 +121,8 @@ class PositionRules:
 def position_rules(canvases: list[Any], states: list[Any],
                    output_canvases: list[list[int]] | None, wanted: list[bool]
                    ) -> list[PositionRules | None]:
-    """Per block, its request's ``PositionRules`` where ``wanted`` (canvases, states: each
-    block's canvas and vLLM request state; output_canvases: each request's output so far,
-    where some request has bad words)."""
+    """Per block, its request's ``PositionRules`` where ``wanted`` (output_canvases: each
+    request's output so far, where some request has bad words)."""
     return [PositionRules.of(state.sampling_params,
                              canvas.start - len(state.prompt_token_ids),
                              None if output_canvases is None else output_canvases[i],

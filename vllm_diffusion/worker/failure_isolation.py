@@ -1,10 +1,6 @@
-"""The requests whose host-side work fails in a step: each is finished alone, with an
-error, while the others continue.
-
-A step's planning, proposals, grammar walk, decision and its application run per request
-or per batch; ``StepFailures`` records the first failure of each request this step as
-its ``stop_reason`` (``step.failures.Failure``), which the scheduler turns into an error
-output, and forgets the request's diffusion state.
+"""The requests whose host-side work fails in a step: ``StepFailures`` finishes each alone
+with its first failure as ``stop_reason`` (``step.failures.Failure``) and forgets its
+diffusion state, while the others continue.
 """
 
 from __future__ import annotations
@@ -47,8 +43,7 @@ class StepFailures:
 
     def fail_each(self, req_ids: list[str], errors: dict[int, tuple[str, Exception]]
                   ) -> None:
-        """Fail the requests of ``errors`` (index into ``req_ids`` -> (what it was doing,
-        the exception)), in index order."""
+        """Fail the requests of ``errors`` (index -> (doing, exception)), in index order."""
         for i, (doing, err) in sorted(errors.items()):
             self.fail(req_ids[i], doing, err)
 

@@ -1,14 +1,6 @@
-"""The forward of one diffusion step: the planned rows through the model, once.
-
-``ModelForward`` turns the step's rows into the model's inputs and each layer's read-only
-view of them (``models.step_run.LayerViews``, vLLM's forward-context metadata), runs the
-model (as vLLM built it when the policy has no hooks between layers this step, every
-layer reading the same view; as pieces between the hooks' layers otherwise, the step's
-run object owning the rows and republishing the views when a hook drops rows,
-``models/step_run.py``) and
-returns the hidden states of the rows that reached the last layer. Hooks that only
-preselect keys (``LayerHooks.preselect_keys``) leave the model whole: their selections go
-into the layers' views before it runs, and what the attention selected to the hooks after.
+"""The forward of one diffusion step: the planned rows through the model, once
+(``ModelForward``), returning the hidden states of the rows that reached the last layer.
+See docs/architecture.md, "Runner".
 """
 
 from __future__ import annotations
@@ -30,9 +22,7 @@ from vllm_diffusion.worker.step_plan import RequestRows, step_inputs
 
 
 class ModelForward:
-    """Runs the steps' forwards of one runner, with what they need of it: vLLM's
-    configuration, the KV cache's layers and page size, the device, the engine's
-    diffusion configuration and its counters (the model is given at each step). Built at
+    """Runs the steps' forwards of one runner (the model is given at each step). Built at
     the runner's first step (the KV cache is configured after the runner is)."""
 
     def __init__(self, vllm_config: Any, kv_cache_config: Any, device: torch.device,
@@ -60,8 +50,7 @@ class ModelForward:
             hooks: StepHooks | None, page_ids: list[list[int]]
             ) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
         """Hidden states of the rows that reached the last layer, those rows (step row
-        indices), and the block rows each layer computed. ``page_ids``: each request's KV
-        page ids."""
+        indices), and the block rows each layer computed."""
         device = self.device
         inputs = step_inputs(rows, page_ids, self.page_size)
         positions = inputs.positions.to(device)
@@ -69,11 +58,8 @@ class ModelForward:
                              query_start_loc=inputs.query_start_loc, kv_lens=inputs.kv_lens)
         views = LayerViews(self.layer_names, inputs.block_table.to(device),
                            self.attention_span, self.planner)
-        # Steps without hooks between layers run the model as vLLM built it (compiled
-        # unless eager), every layer reading one view (a preselected key selection in its
-        # layer's); steps with hooks between layers run the layers between hook points as
-        # pieces compiled by the model (``models/layer_segments.py``), the hooks eagerly
-        # between them, and the run publishes the views.
+        # Without hooks between layers: the model as vLLM built it, every layer reading one
+        # view; with them: pieces between the hooks' layers (``models/layer_segments.py``).
         run, selected = None, None
         if hooks is None:
             views.publish(views.view(step_rows, planned=True), 0)

@@ -1,14 +1,6 @@
-"""Where a request's positions fall into blocks: the one place positions map to blocks.
-
-``BlockGeometry`` (block-causal attention):
-
-For a request with known tokens F (prompt plus emitted output) and block size B, the
-current block is ``[F // B * B, F // B * B + B)``; a step that schedules ``[C, C + N)``
-either reaches the known tokens (it commits everything before the current block and
-denoises that block) or is a partial prefill chunk (it commits its whole blocks only).
-The scheduler sizes steps and the runner plans them with these same functions.
-
-``CanvasGeometry`` (full attention): see its docstring.
+"""Where a request's positions fall into blocks: the one place positions map to blocks, used
+by the scheduler and the runner alike. ``BlockGeometry``: block-causal, the current block
+``[F // B * B, + B)`` for F known tokens; ``CanvasGeometry``: full attention.
 """
 
 from __future__ import annotations
@@ -52,16 +44,13 @@ class BlockGeometry:
 
 @dataclasses.dataclass(frozen=True)
 class CanvasGeometry:
-    """Full attention: a request's sequence is its prompt (P tokens) and a canvas of masks
-    after it, every position attending to every other, so every step computes the whole
-    sequence ``[0, canvas end)`` and nothing is committed (no KV is reused: the published
-    loops recompute it all), except under an approximate cache (``computed_rows``). The canvas is decoded in blocks of ``block_size`` from the
-    prompt's end (``[P + k B, P + (k + 1) B)``, LLaDA's semi-autoregressive blocks); the
-    canvas holds ``max_tokens`` positions (the published ``gen_length``), but reaches at
-    most ``canvas_tokens`` past the current block's start (a longer output decodes with
-    the canvas sliding ahead block by block) and never past ``max_model_len``; a last
-    block reaching past the canvas's end is decided there (those positions are neither
-    computed nor output)."""
+    """Full attention: a request's prompt (P tokens) and a canvas of masks after it, all
+    computed every step (``[0, canvas end)``, nothing committed) except under an
+    approximate cache (``computed_rows``). Decoded in blocks ``[P + k B, P + (k + 1) B)``;
+    the canvas holds ``max_tokens`` positions (the published ``gen_length``) but reaches
+    at most ``canvas_tokens`` past the current block's start (sliding ahead block by
+    block) and never past ``max_model_len``; a last block's positions past the canvas's
+    end are decided there, neither computed nor output."""
 
     block_size: int
     canvas_tokens: int  # a multiple of block_size
@@ -72,17 +61,15 @@ class CanvasGeometry:
 
     def computed_rows(self, block_start: int, block_end: int, end: int,
                       refresh: bool) -> range:
-        """The positions a step computes: the whole sequence ``[0, end)`` where it
-        refreshes the KV (every step under ``recompute``); else the block and the canvas
-        after it (``prefix``) or the block alone (``dual``), against the KV the block's
-        refresh wrote for the other positions."""
+        """The positions a step computes: ``[0, end)`` where it refreshes the KV (every
+        step under ``recompute``); else the block and the canvas after it (``prefix``) or
+        the block alone (``dual``), against the KV the block's refresh wrote."""
         if refresh or self.cache_mode == "recompute":
             return range(0, end)
         return range(block_start, end if self.cache_mode == "prefix" else block_end)
 
     def block_start(self, num_prompt: int, num_tokens: int) -> int:
-        """Start of the block holding the next undecided position (``num_tokens``: prompt
-        plus emitted output)."""
+        """Start of the block holding the next undecided position."""
         return num_prompt + (num_tokens - num_prompt) // self.block_size * self.block_size
 
     def step_end(self, num_prompt: int, num_tokens: int, max_tokens: int) -> int:

@@ -1,35 +1,7 @@
-"""Structured output (JSON schema, regex, choice, grammar) in block decoding.
-
-vLLM's engine core compiles each request's grammar and, autoregressively, masks one next
-position per step; a diffusion step proposes a whole block at once, so the runner keeps
-its own matcher per request (compiled here with vLLM's own backend classes: xgrammar or
-llguidance, both able to roll back) and the core's acceptance check stays on as a guard.
-
-The decoding rule. Commits are kept to a run contiguous from F, the request's leftmost
-undecided position, so the emitted output is always everything before F and the matcher's
-state is the emitted output. In a step:
-
-1. the grammar's mask at F is applied to F's logits (the ``grammar`` logit stage), so F's
-   proposal and its confidence are the constrained ones;
-2. the walk (``walk``): from F rightwards over the positions computed this step with a
-   valid proposal: where the grammar forces text (xgrammar's jump-forward string,
-   tokenized by the model's tokenizer as text -- a special token's literal stays
-   characters --, all but its last token; or a single allowed token) those tokens are
-   the candidates, with confidence 1, whatever the model proposed; elsewhere the
-   candidate is the model's proposal if the grammar accepts it. Every candidate must
-   also pass the request's own rules (``constraints.PositionRules``: allowed ids, the
-   stops ``min_tokens`` bars, bad words with the walked tokens as context); a forced
-   text whose first token the matcher or the rules refuse falls back to the bitmask at
-   that position. The walk stops at the first position with no candidate, at a position
-   not computed, or once the grammar is complete; the matcher is rolled back;
-3. the policy chooses commits among the walked positions (its usual rule, with the
-   candidates and their confidences); F is added (every step makes progress); the
-   bad-words undo (``bad_words.py``) runs; then only the run contiguous from F is kept;
-4. the emitted tokens advance the matcher.
-
-Nothing the grammar forbids is ever committed. Positions after F are proposed without the
-mask (one fill per walked position is the grammar's whole cost; masking every row would
-need the matcher state at each, which depends on the tokens before it).
+"""Structured output (JSON schema, regex, choice, grammar) in block decoding: a matcher per
+request, compiled with vLLM's backends, masks the leftmost undecided position F, and the
+walk (``walk``) takes grammar-valid candidates from F rightwards; only the run contiguous
+from F is committed. See docs/architecture.md, "Structured output".
 """
 
 from __future__ import annotations
@@ -59,8 +31,8 @@ class GrammarCompiler:
         if name not in self.backends:
             from vllm.tokenizers import cached_tokenizer_from_config
 
-            tokenizer = cached_tokenizer_from_config(model_config=self.vllm_config.model_config)
-            self.tokenizer = tokenizer
+            self.tokenizer = tokenizer = cached_tokenizer_from_config(
+                model_config=self.vllm_config.model_config)
             if name == "xgrammar":
                 from vllm.v1.structured_output.backend_xgrammar import XgrammarBackend
                 backend_cls = XgrammarBackend
@@ -75,9 +47,8 @@ class GrammarCompiler:
         return self.backends[name]
 
     def compile(self, params: Any) -> Any | None:
-        """The request's grammar matcher (vLLM's ``StructuredOutputGrammar``), or None when
-        the request has no structured output; ``UncompilableGrammar`` (HTTP 400) where
-        the backend cannot compile it."""
+        """The request's matcher (vLLM's ``StructuredOutputGrammar``) or None; raises
+        ``UncompilableGrammar`` (HTTP 400) where the backend cannot compile it."""
         from vllm.v1.structured_output.request import StructuredOutputRequest
 
         request = StructuredOutputRequest.from_sampling_params(params)
@@ -92,9 +63,8 @@ class GrammarCompiler:
 
     def jump_forward(self, grammar: Any) -> list[int]:
         """The tokens of the text the grammar forces next (xgrammar's jump-forward
-        string, tokenized), but the last: the text after it may merge with its end into a
-        token the model would rather use (``"`` then ``:`` against ``":``), so the model
-        proposes that one. Empty where there is no such text or no such query."""
+        string), but the last: the text after it may merge with its end into a token the
+        model would rather use (``"`` then ``:`` against ``":``). Empty where none."""
         matcher = getattr(grammar, "matcher", None)
         find = getattr(matcher, "find_jump_forward_string", None)
         text = find() if find is not None else ""
@@ -106,8 +76,7 @@ class GrammarCompiler:
                                      split_special_tokens=True)[:-1]
 
     def allowed(self, grammar: Any) -> torch.Tensor:
-        """[W] int32: the grammar's bitmask of the tokens allowed next (bit t % 32 of word
-        t // 32)."""
+        """[W] int32 bitmask of the tokens allowed next (bit t % 32 of word t // 32)."""
         bitmask = torch.full((1, self.words), -1, dtype=torch.int32)
         grammar.fill_bitmask(bitmask, 0)
         self.stats.grammar_fills += 1
@@ -141,19 +110,16 @@ class Walk:
 def walk(compiler: GrammarCompiler, grammar: Any, req_id: str, proposals: list[int],
          confidence: list[float], usable: list[bool], first: int,
          first_bitmask: torch.Tensor | None = None, rules: Any = None) -> Walk:
-    """The walk from block position ``first`` (F); see the module docstring. proposals,
-    confidence: the block's positions this step; usable: the positions computed this step
-    with a valid proposal; first_bitmask: the grammar's bitmask at F when already filled
-    this step; rules: the request's ``constraints.PositionRules`` that a forced token
-    and a proposal pass (None: no such constraint). Leaves the matcher as it was."""
+    """The walk from block position ``first`` (F). usable: positions computed with a valid
+    proposal; first_bitmask: the bitmask at F when filled this step; rules: the request's
+    ``constraints.PositionRules`` (None: none). Leaves the matcher as it was."""
     result = Walk([], [])
     vocab = compiler.vocab_size
     position = first
 
     def take(tokens: list[int], forced: bool) -> int:
         """Accept ``tokens`` from ``position`` on while each is usable there, admitted
-        by the request's rules (the walked tokens as context) and accepted by the
-        matcher; returns how many."""
+        by the rules and accepted by the matcher; returns how many."""
         nonlocal position
         taken = 0
         for token in tokens:
@@ -172,9 +138,8 @@ def walk(compiler: GrammarCompiler, grammar: Any, req_id: str, proposals: list[i
         return taken
 
     while position < len(proposals) and usable[position] and not grammar.is_terminated():
-        # The text the grammar forces from here; where there is none, or its first token
-        # is refused (by the matcher, e.g. a special token's literal text tokenized into
-        # the special token, or by the request's rules), one position by the bitmask.
+        # The forced text from here; where there is none, or its first token is refused,
+        # one position by the bitmask.
         forced = compiler.jump_forward(grammar)
         taken = take(forced, True) if forced else 0
         if forced and taken == len(forced):
@@ -196,14 +161,12 @@ def walk(compiler: GrammarCompiler, grammar: Any, req_id: str, proposals: list[i
 
 
 class GrammarStep:
-    """The grammar's part of one denoising step, for the step's R blocks (those whose
-    request has no grammar are left alone)."""
+    """The grammar's part of one denoising step over its R blocks."""
 
     def __init__(self, compiler: GrammarCompiler, grammars: list[Any], req_ids: list[str],
                  masked: torch.Tensor) -> None:
         """grammars: per block, its request's matcher or None; masked: [R, B] bool. A
-        complete grammar constrains nothing more (as in vLLM's autoregressive path, where
-        only ``ignore_eos`` lets a request go on after it)."""
+        complete grammar constrains nothing more (as in vLLM's autoregressive path)."""
         self.compiler = compiler
         self.grammars = [None if g is not None and g.is_terminated() else g
                          for g in grammars]
@@ -236,7 +199,7 @@ class GrammarStep:
         """Per block, (F's row within the block's rows, [V] bool tokens allowed at F) for
         the ``grammar`` logit stage, or None (no grammar, or F not computed this step).
         where: [n, 2] each row's (block, position), blocks' rows consecutive."""
-        masks: list[tuple[int, torch.Tensor] | None] = []
+        masks: list[tuple[int, torch.Tensor] | None] = [None] * len(self.grammars)
         start = 0
         for block, (grammar, first, count) in enumerate(zip(self.grammars, self.first,
                                                             counts)):
@@ -244,25 +207,22 @@ class GrammarStep:
             start += count
             hit = torch.nonzero(rows == first).flatten() if first >= 0 else []
             if grammar is None or len(hit) == 0:
-                masks.append(None)
                 continue
             try:
                 bitmask = self.compiler.allowed(grammar)
             except Exception as err:  # noqa: BLE001 - isolated to this request
                 self._drop(block, err)
-                masks.append(None)
                 continue
             self.first_bitmasks[block] = bitmask  # the walk starts from the same state
-            masks.append((int(hit[0]), unpack(bitmask, self.compiler.vocab_size)))
+            masks[block] = (int(hit[0]), unpack(bitmask, self.compiler.vocab_size))
         return masks
 
     def constrain(self, proposals: torch.Tensor, confidence: torch.Tensor,
                   available: torch.Tensor, usable: torch.Tensor,
                   rules: list[Any] | None = None) -> None:
         """Walk every grammar block (in place, [R, B] each): its walked positions get their
-        candidates and confidences and are the only ones available to commit. usable:
-        [R, B] positions computed with a valid proposal; rules: per block, its request's
-        ``constraints.PositionRules`` or None."""
+        candidates and confidences and are the only ones available to commit. rules: per
+        block, its request's ``constraints.PositionRules`` or None."""
         for block, (grammar, first) in enumerate(zip(self.grammars, self.first)):
             if grammar is None:
                 continue
@@ -299,8 +259,7 @@ class GrammarStep:
             commits[block] = False
             if not found or not found.tokens:
                 continue
-            first = self.first[block]
-            end = first
+            first = end = self.first[block]
             while end < first + len(found.tokens) and bool(chosen[end]):
                 end += 1
             commits[block, first:end] = True

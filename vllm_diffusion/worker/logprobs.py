@@ -1,30 +1,14 @@
-"""Logprobs of the tokens a denoising step proposes, for the requests that ask for them.
-
-Definition (block decoding has no single next-token distribution per output position): a
-returned token's logprob, and its top-k alternatives, are read from the distribution of
-the denoising step that committed the token at its position -- for a token edited later
-(LLaDA2.1 token editing), the step of its last change. ``--logprobs-mode`` chooses the
-distribution as vLLM defines it: ``raw_*`` the model's logits before any processing
-(logit stages, mask-token exclusion, temperature, filtering), ``processed_*`` the
-distribution the token was drawn from (after the logit stages with the mask token
-excluded; for sampled rows also temperature, min-p and top-k / top-p); ``*_logprobs``
-log-softmax values, ``*_logits`` the logit values themselves. The rank is vLLM's: the
-number of tokens whose value is at least the chosen token's.
-
-A step's logprob rows travel as one float64 matrix [rows, 2 + 2k] (``columns``): the
-chosen token's value, its rank, then the top-k token ids and their values, so they join
-the step's single device-to-host copy (float64 holds every token id exactly).
+"""Logprobs of the tokens a denoising step proposes, for the requests that ask for them:
+read from the distribution of the step that committed each token, as ``--logprobs-mode``
+defines it. A step's rows travel as one float64 matrix [rows, 2 + 2k] (``columns``: value,
+rank, top-k ids, top-k values). See docs/architecture.md, "Logprobs".
 """
 
 from __future__ import annotations
 
 import torch
 
-from vllm_diffusion.worker.sampling import (
-    _GREEDY_EPS,
-    batched_filter_top_k_top_p,
-    filter_min_p,
-)
+from vllm_diffusion.worker.sampling import _GREEDY_EPS, batched_filter_top_k_top_p, filter_min_p
 
 LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
 
@@ -47,8 +31,7 @@ WHOLE_VOCABULARY = 2**62  # a request's logprobs=-1 (``columns`` clips k to the 
 
 
 def top_count(params_list: list) -> int | None:
-    """k, the most top logprobs any of the requests asks for, or None when none asks for
-    logprobs."""
+    """The most top logprobs any of the requests asks for (None: none asks)."""
     asked = [asked_count(p) for p in params_list if wants_logprobs(p)]
     if not asked:
         return None
@@ -103,9 +86,8 @@ def own_columns(rows: torch.Tensor, asked: int) -> torch.Tensor:
 
 def processed_logits(logits: torch.Tensor, params_by_row: list) -> torch.Tensor:
     """The logits each row's token was drawn from: ``logits`` ([m, V], after the logit
-    stages and the mask exclusion) for greedy rows; for sampled rows scaled by the
-    temperature and filtered by min-p and top-k / top-p exactly as the draw filters them
-    (``sampling.draw_for_requests``), filtered-out tokens at -inf."""
+    stages) for greedy rows; for sampled rows scaled and filtered exactly as
+    ``sampling.draw_for_requests`` does, filtered-out tokens at -inf."""
     sampled = [i for i, p in enumerate(params_by_row) if p.temperature >= _GREEDY_EPS]
     if not sampled:
         return logits
@@ -127,10 +109,9 @@ def processed_logits(logits: torch.Tensor, params_by_row: list) -> torch.Tensor:
 
 def to_vllm_lists(rows: list[torch.Tensor | None], tokens: list[list[int]]):
     """vLLM's ``LogprobsLists`` for a step's outputs (None when no request has rows):
-    ``rows[i]`` the [len(tokens[i]), 2 + 2k] columns of request i's returned tokens
-    ``tokens[i]`` (None: the request asked for no logprobs; its tokens get no rows).
-    Requests asking for fewer top logprobs than the step's widest are padded with token 0
-    at -inf; vLLM reads only each request's own k + 1 columns."""
+    ``rows[i]`` the [len(tokens[i]), 2 + 2k] columns of request i's tokens ``tokens[i]``
+    (None: not asked). Narrower requests are padded with token 0 at -inf (vLLM reads only
+    each request's own k + 1 columns)."""
     import numpy as np
     from vllm.v1.outputs import LogprobsLists
 

@@ -1,10 +1,6 @@
-"""What one diffusion step returns to the scheduler, in declared fields, and what each of
-its requests emits (``EmittedTokens``).
-
-``DiffusionRunnerOutput`` extends vLLM's ``ModelRunnerOutput`` (a dataclass the executor
-pickles across processes as it is) with the per-step diffusion results. The scheduler
-accepts nothing else, so a change in vLLM that drops or rebuilds the runner's output fails
-loudly instead of losing these fields.
+"""What one diffusion step returns to the scheduler (``DiffusionRunnerOutput``, vLLM's
+``ModelRunnerOutput`` with declared fields; the scheduler accepts nothing else, so a vLLM
+change dropping them fails loudly) and what each request emits (``EmittedTokens``).
 """
 
 from __future__ import annotations
@@ -21,9 +17,7 @@ from vllm_diffusion.step.failures import NoProgress, UnsatisfiableRequest
 
 @dataclasses.dataclass
 class DiffusionRunnerOutput(ModelRunnerOutput):
-    # This step's work, as the stat loggers receive it (``metrics.StepCounters``: blocks
-    # denoised, block positions entering the model, reaching its last layer and through
-    # each layer, tokens committed, matcher fills and accepts, the chunk chosen, edits).
+    # This step's work, as the stat loggers receive it (``metrics.StepCounters``).
     counters: StepCounters = dataclasses.field(
         default_factory=lambda: StepCounters(0, 0, 0, 0))
     # req_id -> its committed prefix (exact KV) once this step ran, for every request
@@ -32,9 +26,8 @@ class DiffusionRunnerOutput(ModelRunnerOutput):
     # req_id -> the denoising step that unmasked each of its output tokens so far (only
     # for requests that asked for a step map and emitted tokens this step).
     step_maps: dict[str, list[int]] = dataclasses.field(default_factory=dict)
-    # req_id -> why that request's host-side step work failed this step, as its
-    # ``stop_reason`` (``step.failures.Failure``); the scheduler finishes exactly these
-    # requests with an error.
+    # req_id -> why its host-side step work failed, as its ``stop_reason``
+    # (``step.failures.Failure``); the scheduler finishes exactly these with an error.
     failed_requests: dict[str, str] = dataclasses.field(default_factory=dict)
 
 

@@ -1,59 +1,24 @@
 """The proposal pipeline: from the logits of a step's block rows to each row's proposed
-token and its confidence, then the policy's commit choice.
-
-The stages run in vLLM's sampler order, each a named slot (``STAGES``):
-
-1. ``allowed_token_ids``  -- ``SamplingParams.allowed_token_ids``
-2. ``bad_words``          -- ``bad_words`` (the tokens completing a word at a position;
-                             words completed by one step's commits are undone after
-                             the commit choice, ``bad_words.py``)
-3. ``min_tokens``         -- ``min_tokens`` (stop tokens barred until reached)
-4. ``logit_bias``         -- ``logit_bias``
-5. ``penalties``          -- ``presence_penalty``, ``frequency_penalty``,
-                             ``repetition_penalty``
-6. ``grammar``            -- ``structured_outputs`` (the grammar's mask at the leftmost
-                             undecided position; the walk after the proposals checks
-                             the others, ``grammar.py``)
-7. ``mask_token``         -- the mask token is never proposed
-8. ``temperature``, ``top_k_top_p``, ``draw`` -- ``sampling.draw_for_requests``: greedy
-   rows take the arg-max (confidence: its softmax probability), sampled rows are scaled,
-   filtered and drawn with the request's generator (confidence: the drawn token's
-   probability in that distribution, or its largest probability where the policy's
-   ``confidence_rule`` says ``max_probability``)
-9. ``commit_choice``      -- ``policy.decide`` over the proposals (the runner)
-
-A logit stage edits ``ProposalBatch.logits`` in place for the rows it concerns. A slot
-without a stage (``LOGIT_STAGES[name] is None``) does not run, and the request admission
-(``requests.py``) refuses the sampling parameters it would honour (``SLOT_PARAMETERS``;
-a test keeps the two in step), so a parameter is never silently ignored. Filling a slot is
-one function here plus lifting its refusal.
+token and its confidence, then the policy's commit choice. The stages run in vLLM's
+sampler order, each a named slot (``STAGES``); a slot without a stage has its parameters
+refused at admission (``SLOT_PARAMETERS``). See docs/architecture.md, "Proposal stages".
 """
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from vllm_diffusion.worker.bad_words import BadWords, barred_tokens
-from vllm_diffusion.worker.logprobs import (
-    LOGPROBS_MODES,
-    columns,
-    distribution_values,
-    use_given_tokens,
-    processed_logits,
-    top_count,
-    wants_logprobs,
-)
-from vllm_diffusion.worker.sampling import (
-    ROW_FAILED,
-    ROW_NO_TOKEN,
-    ROW_NOT_FINITE,
-    ROW_VALID,
-    draw_for_requests,
-)
+from vllm_diffusion.worker.logprobs import (LOGPROBS_MODES, columns, distribution_values,
+                                            processed_logits, top_count, use_given_tokens,
+                                            wants_logprobs)
+from vllm_diffusion.worker.sampling import (ROW_FAILED, ROW_NO_TOKEN, ROW_NOT_FINITE,
+                                            ROW_VALID, draw_for_requests)
 
 
 @dataclasses.dataclass
@@ -64,8 +29,7 @@ class ProposalBatch:
     counts: list[int]
     params: list  # each request's SamplingParams
     generators: list  # each request's torch.Generator (None: unseeded)
-    # [n] int64 (host): each row's index in its request's output (0: the first token
-    # after the prompt); None where no stage needs it
+    # [n] int64 (host): each row's index in its request's output; None where not needed
     output_index: torch.Tensor | None = None
     # per request, (prompt token ids, output token ids so far: the committed output and
     # the current block's filled output positions); None where no request has penalties
@@ -79,10 +43,8 @@ class ProposalBatch:
     spans: list[slice] = dataclasses.field(init=False)  # each request's rows
 
     def __post_init__(self) -> None:
-        self.spans, start = [], 0
-        for count in self.counts:
-            self.spans.append(slice(start, start + count))
-            start += count
+        starts = [0, *itertools.accumulate(self.counts)]
+        self.spans = [slice(start, stop) for start, stop in zip(starts, starts[1:])]
 
 
 def has_penalties(params) -> bool:
@@ -109,10 +71,8 @@ def allowed_token_ids(batch: ProposalBatch) -> None:
 
 
 def bad_words(batch: ProposalBatch) -> None:
-    """A request's ``bad_words`` (vLLM's tokenizations, ``bad_words_token_ids``): at every
-    computed output position, the tokens that would complete a word with the decided
-    tokens around it are barred (``bad_words.barred_tokens``; a one-token word
-    everywhere)."""
+    """A request's ``bad_words_token_ids``: at every computed position, the tokens that
+    would complete a word with the decided tokens around it are barred."""
     for index, (rows, params) in enumerate(zip(batch.spans, batch.params)):
         words = getattr(params, "bad_words_token_ids", None)
         if not words or rows.start == rows.stop:
@@ -126,9 +86,7 @@ def bad_words(batch: ProposalBatch) -> None:
 
 
 def grammar(batch: ProposalBatch) -> None:
-    """A request's structured output: its grammar's mask at the leftmost undecided
-    position (``grammar.py``; the other positions are checked by the walk after the
-    proposals)."""
+    """A request's grammar's mask at its leftmost undecided position (``grammar.py``)."""
     for rows, entry in zip(batch.spans, batch.grammar_rows or ()):
         if entry is not None:
             row, allowed = entry
@@ -137,9 +95,8 @@ def grammar(batch: ProposalBatch) -> None:
 
 
 def min_tokens(batch: ProposalBatch) -> None:
-    """A request's ``min_tokens``: its stop tokens (end of sequence and
-    ``stop_token_ids``, as vLLM's processor takes them) are barred at every position whose
-    index in the output is below the minimum, so no stop lands before it."""
+    """A request's ``min_tokens``: its stop tokens (``all_stop_token_ids``) are barred at
+    every position whose index in the output is below the minimum."""
     for rows, params in zip(batch.spans, batch.params):
         minimum = getattr(params, "min_tokens", 0) or 0
         stops = sorted(getattr(params, "all_stop_token_ids", None) or ())
@@ -153,14 +110,10 @@ def min_tokens(batch: ProposalBatch) -> None:
 
 
 def penalties(batch: ProposalBatch) -> None:
-    """vLLM's penalties at every computed position of a request's block, over what the
-    request has so far: ``repetition_penalty`` r divides the positive logits (multiplies
-    the negative ones) of every token in the prompt or the output; ``frequency_penalty``
-    subtracts f times a token's count in the output, ``presence_penalty`` p once if it is
-    there. The output is the committed tokens plus the current block's filled output
-    positions (a filled position's own token counts too). vLLM's ``apply_penalties`` takes
-    one row per sequence and counts tokens into [rows, V] tensors; here a request's
-    history is counted once ([V]) for all its rows, which keeps the logits budget."""
+    """vLLM's penalties at every computed position of a request's block, over its prompt
+    (repetition only) and its output so far (committed tokens plus the block's filled
+    output positions). Unlike vLLM's [rows, V] counts, a request's history is counted
+    once ([V]) for all its rows, which keeps the logits budget."""
     for index, (rows, params) in enumerate(zip(batch.spans, batch.params)):
         if rows.start == rows.stop or not has_penalties(params):
             continue
@@ -183,9 +136,7 @@ def penalties(batch: ProposalBatch) -> None:
 
 
 def logit_bias(batch: ProposalBatch) -> None:
-    """A request's ``logit_bias`` ({token id: bias}) added to the raw logits of every
-    computed position of its block (before temperature, as vLLM's sampler does), so it
-    moves both the proposal and its confidence."""
+    """A request's ``logit_bias`` added to its rows' raw logits (before temperature, as vLLM)."""
     for rows, params in zip(batch.spans, batch.params):
         bias = getattr(params, "logit_bias", None)
         if not bias or rows.start == rows.stop:
@@ -204,14 +155,10 @@ SLOT_PARAMETERS: dict[str, tuple[str, ...]] = {
     "penalties": ("presence_penalty", "frequency_penalty", "repetition_penalty"),
     "grammar": ("structured_outputs",),
 }
-# The logit slots, in order; None: no stage yet.
-LOGIT_STAGES: dict[str, LogitStage | None] = {name: None for name in SLOT_PARAMETERS}
-LOGIT_STAGES["allowed_token_ids"] = allowed_token_ids
-LOGIT_STAGES["bad_words"] = bad_words
-LOGIT_STAGES["min_tokens"] = min_tokens
-LOGIT_STAGES["logit_bias"] = logit_bias
-LOGIT_STAGES["penalties"] = penalties
-LOGIT_STAGES["grammar"] = grammar
+# The logit slots, in SLOT_PARAMETERS' order; None: no stage yet.
+LOGIT_STAGES: dict[str, LogitStage | None] = {
+    "allowed_token_ids": allowed_token_ids, "bad_words": bad_words, "min_tokens": min_tokens,
+    "logit_bias": logit_bias, "penalties": penalties, "grammar": grammar}
 STAGES = (*LOGIT_STAGES, "mask_token", "temperature", "top_k_top_p", "draw", "commit_choice")
 
 
@@ -226,9 +173,8 @@ def invalid_rows(logits: torch.Tensor) -> torch.Tensor:
                        torch.where(torch.isfinite(row_max), ROW_VALID,
                                    ROW_NOT_FINITE)).to(torch.int8)
 
-# fp32 [rows, V] tensors a chunk's proposals hold at once at most: its logits, their
-# scaled and filtered copies and the probabilities (the sampled path's sort holds two).
-# A request asking for logprobs adds one: its rows' raw (or processed) logits.
+# fp32 [rows, V] tensors a chunk holds at once at most: logits, scaled and filtered copies,
+# probabilities (the sort holds two); logprobs add one (the raw or processed logits).
 LOGIT_COPIES = 5
 
 
@@ -258,14 +204,11 @@ class Proposals:
     tokens: torch.Tensor  # [n] int64
     confidence: torch.Tensor  # [n] float32
     entropy: torch.Tensor | None = None  # [n] float32, when asked for
-    # [m, 2 + 2k] float64 (``logprobs.columns``) for the m rows of the requests asking
-    # for logprobs, in row order; None when none asks
+    # [m, 2 + 2k] float64 (``logprobs.columns``): the rows of requests asking for logprobs
     logprobs: torch.Tensor | None = None
-    # [n, r] int64, each row's r best tokens in order (after the logit stages), where the
-    # pipeline keeps them (``ranked``); None otherwise
+    # [n, r] int64: each row's r best tokens after the logit stages (``ranked``), or None
     ranked: torch.Tensor | None = None
-    # [n] int8: ``ROW_VALID``, or why the row's proposal means nothing (``ROW_NO_TOKEN``:
-    # the logit stages left no token; ``ROW_NOT_FINITE``: a logit is NaN or overflowed)
+    # [n] int8: ``ROW_VALID``, or why the row's proposal means nothing (``sampling.ROW_*``)
     invalid: torch.Tensor | None = None
 
     @staticmethod
@@ -298,12 +241,8 @@ class ProposalPipeline:
                 seen_tokens: list | None = None, with_entropy: bool = False,
                 output_canvas: list | None = None, logprobs_k: int | None = None,
                 grammar_rows: list | None = None) -> Proposals:
-        """logits: [n, V]; output_index: [n] (host) each row's index in its request's
-        output (needed for ``min_tokens`` and ``bad_words``); seen_tokens: per request
-        (prompt ids, output ids) (needed for penalties); output_canvas: per request its
-        output so far with -1 at undecided positions (needed for ``bad_words``);
-        logprobs_k: the top logprobs to return for requests asking for logprobs (the
-        step's largest; None: none asks)."""
+        """logits: [n, V]; the other arguments as ``ProposalBatch``'s fields; logprobs_k:
+        the step's largest top logprobs asked for (None: none asks)."""
         batch = ProposalBatch(logits.float(), counts, params, generators, output_index,
                               seen_tokens, output_canvas, grammar_rows)
         logprob_rows = raw = None
@@ -344,31 +283,24 @@ class ProposalPipeline:
                             output_canvas: list | None = None,
                             grammar_rows: list | None = None,
                             errors: dict[int, Exception] | None = None) -> Proposals:
-        """``propose`` of ``compute_logits(hidden)`` ([n, H] -> [n, V]), computed a chunk of
-        whole requests at a time so that at most ``max_rows`` rows of logits exist at once
-        (bounded memory whatever the batch and block). Each request's draws use its own
-        generator (or the global one) in request order, as in one call, so the proposals
-        are the same as without chunks.
-
-        With ``errors``, a failure stays with its request: where a chunk raises, its
-        requests are proposed one at a time, and a request that raises alone is recorded
-        in ``errors`` (its index -> the exception) and its rows are proposed greedily
-        without its constraints and flagged ``ROW_FAILED`` (never committed)."""
+        """``propose`` of ``compute_logits(hidden)`` ([n, H] -> [n, V]), a chunk of whole
+        requests at a time so that at most ``max_rows`` rows of logits exist at once; draws
+        run in request order, so the proposals are the same as without chunks. With
+        ``errors``, a request that raises alone is recorded there (index -> exception) and
+        its rows are proposed greedily without its constraints, flagged ``ROW_FAILED``."""
         def propose_range(first: int, last: int, row: int, stand_in: Any = None
                           ) -> Proposals:
             """Requests [first, last) from hidden row ``row``; ``stand_in``: one request's
             plain parameters in place of its own (no per-row context then)."""
-            rows = sum(counts[first:last])
-            own = stand_in is None
+            rows, requests = slice(row, row + sum(counts[first:last])), slice(first, last)
+
+            def own(values: Any, span: slice) -> Any:
+                return None if values is None or stand_in is not None else values[span]
             return self.propose(
-                compute_logits(hidden[row:row + rows]), counts[first:last],
-                params[first:last] if own else [stand_in], generators[first:last],
-                None if output_index is None or not own else output_index[row:row + rows],
-                None if seen_tokens is None or not own else seen_tokens[first:last],
-                with_entropy,
-                None if output_canvas is None or not own else output_canvas[first:last],
-                logprobs_k,
-                None if grammar_rows is None or not own else grammar_rows[first:last])
+                compute_logits(hidden[rows]), counts[requests],
+                params[requests] if stand_in is None else [stand_in], generators[requests],
+                own(output_index, rows), own(seen_tokens, requests), with_entropy,
+                own(output_canvas, requests), logprobs_k, own(grammar_rows, requests))
 
         def isolating(first: int, last: int, row: int) -> Proposals:
             try:

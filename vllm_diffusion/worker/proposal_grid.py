@@ -1,10 +1,5 @@
-"""A step's proposals on the host: its one device-to-host copy, scattered onto the [R, B]
-grid of the step's R denoised blocks of B positions.
-
-The pipeline (``proposal.py``) returns one row per computed block position, in request
-order; the policies decide over whole blocks. Tokens, confidences (and entropies, the
-ranked alternatives and the logprob columns, where asked for) travel to the host
-together in one copy, as float64, which holds every token id exactly.
+"""A step's proposals on the host: its one device-to-host copy (float64, exact for token
+ids), scattered onto the [R, B] grid of the step's R denoised blocks of B positions.
 """
 
 from __future__ import annotations
@@ -40,7 +35,7 @@ def scatter_to_host(proposed: Proposals, where: torch.Tensor, num_blocks: int,
     shape = (num_blocks, block_size)
     # every position of every block, in order (the common step): the columns are the grid
     dense = n == num_blocks * block_size and torch.equal(where, _whole_grid(*shape))
-    block, position = (None, None) if dense else (where[:, 0], where[:, 1])
+    block, position = where[:, 0], where[:, 1]
 
     def place(values: torch.Tensor, fill: float, dtype: torch.dtype) -> torch.Tensor:
         """[R, B, ...] of ``values`` ([n, ...]) at the proposals' places, ``fill``
@@ -55,14 +50,10 @@ def scatter_to_host(proposed: Proposals, where: torch.Tensor, num_blocks: int,
                         place(confidence, float("-inf"), torch.float32),
                         torch.ones(shape, dtype=torch.bool) if dense
                         else place(torch.ones(n, dtype=torch.bool), False, torch.bool),
-                        place(invalid, 0, torch.int8))
-    if entropy is not None:
-        grid.entropy = place(entropy, 0.0, torch.float32)
-    if ranked is not None:
-        grid.ranked = place(ranked, 0, torch.long)
+                        place(invalid, 0, torch.int8),
+                        None if entropy is None else place(entropy, 0.0, torch.float32),
+                        None if ranked is None else place(ranked, 0, torch.long))
     if logprobs is not None:
-        if block is None:
-            block, position = where[:, 0], where[:, 1]
         asking = torch.tensor(asks_logprobs, dtype=torch.bool)[block]
         grid.logprobs = torch.zeros(*shape, logprobs.shape[1], dtype=torch.float64)
         grid.logprobs[block[asking], position[asking]] = logprobs
@@ -70,11 +61,9 @@ def scatter_to_host(proposed: Proposals, where: torch.Tensor, num_blocks: int,
 
 
 def one_copy_to_host(proposed: Proposals) -> tuple[torch.Tensor | None, ...]:
-    """The proposals' tensors on the host, from one float64 copy of them all (float64 views
-    of it; ``scatter_to_host`` casts each as it places it): tokens [n], confidence [n],
-    invalid [n], entropy [n], ranked [n, r] and logprobs [m, C] (None where absent). One
-    copy on every device: on CPU it costs a few small operations, and the step's path
-    stays the one a GPU runs (one device read per step,
+    """The proposals' tensors on the host as float64 views of one copy: tokens [n],
+    confidence [n], invalid [n], entropy [n], ranked [n, r] and logprobs [m, C] (None
+    where absent). One copy on every device (one device read per step,
     ``tests/test_host_reads.py``)."""
     n = len(proposed.tokens)
     columns = [proposed.tokens, proposed.confidence, proposed.invalid]

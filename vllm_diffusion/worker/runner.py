@@ -1,24 +1,6 @@
-"""The diffusion model runner: one ``execute_model`` call is one denoising step.
-
-``DiffusionRunnerMixin`` overrides only ``execute_model`` of vLLM's V1 model runner. It
-keeps vLLM's request bookkeeping (``_update_states``: new, resumed and finished requests,
-KV block tables), its model, KV cache and forward context, and replaces the autoregressive
-input preparation and sampling with the block-diffusion step:
-
-- prepare: each request's diffusion state (made at its first step, with a slot of the
-  runner's ``BlockSlots`` that it holds until it ends) and the rows its policy plans
-  (``step_plan``);
-- forward: the model once over all rows, with the policy's hooks (``forward.py``);
-- propose: tokens for the block positions that reached the last layer, within each
-  request's constraints (``proposal.py``), as [R, B] grids; the blocks themselves are
-  read as one index of the slots' [S, B] tensors by the blocks' slots;
-- decide: the policy's decision for all blocks at once (``policy.decide``: commits and
-  edits, or the rewriting of blocks whose tokens move), held within the requests'
-  grammars and bad words, and applied to each block (``block_updates.py``);
-- emit: each block's newly final tokens, as this step's output.
-
-A request whose host-side work fails is finished alone with an error
-(``failure_isolation.py``). The runner never names a policy or a model family.
+"""The diffusion model runner: one ``execute_model`` call is one denoising step
+(prepare -> forward -> propose -> decide -> emit). ``DiffusionRunnerMixin`` overrides only
+``execute_model`` of vLLM's V1 model runner; see docs/architecture.md, "Runner".
 """
 
 from __future__ import annotations
@@ -51,14 +33,14 @@ from vllm_diffusion.worker.failure_isolation import StepFailures
 from vllm_diffusion.worker.step_plan import (KnownTokens, RequestRows, denoised_blocks,
                                              gather_step, stop_tokens)
 
+
 class DiffusionRunnerMixin:
     """Mixed into vLLM's ``GPUModelRunner`` / ``CPUModelRunner``."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.diffusion = engine_config_from_vllm(self.vllm_config)
-        # where positions fall into blocks, and what a step computes, under the model's
-        # attention regime (``geometry.py``)
+        # what a step computes under the model's attention regime (``geometry.py``)
         self.planner = row_planner(step_geometry(
             self.diffusion.model.attention, self.diffusion.block_size,
             self.diffusion.canvas_tokens, self.vllm_config.model_config.max_model_len,
@@ -87,9 +69,8 @@ class DiffusionRunnerMixin:
                                     self.diffusion_stats, self.grammars)
 
     def worst_logits_chunk(self) -> list[int]:
-        """Rows per request of the largest chunk of logits a step can make at once: whole
-        blocks of ``max_num_seqs`` requests, as many as the logits budget holds (at least
-        one block)."""
+        """Rows per request of the largest chunk of logits a step can make at once (whole
+        blocks, as many as the logits budget holds, at least one)."""
         block = self.diffusion.block_size
         requests = self.scheduler_config.max_num_seqs
         if self.proposals.max_rows is not None:
@@ -98,10 +79,8 @@ class DiffusionRunnerMixin:
 
     def _dummy_sampler_run(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """vLLM's profiling run ends with its sampler on one row per request; a diffusion
-        step makes logits for every computed block position instead, a chunk of requests
-        at a time. The largest chunk goes through the proposal pipeline's sampled path
-        here, so that the peak memory vLLM measures at start-up (and, on CUDA, keeps free
-        of KV cache) covers it."""
+        step's largest chunk of logits goes through the sampled path instead, so that the
+        peak memory vLLM measures at start-up (kept free of KV cache on CUDA) covers it."""
         from vllm import SamplingParams
 
         counts = self.worst_logits_chunk()
@@ -146,8 +125,7 @@ class DiffusionRunnerMixin:
 
     def _prepare(self, req_ids: list[str], scheduler_output: Any,
                  failures: StepFailures) -> list[RequestRows]:
-        """Each scheduled request's diffusion state (made at its first step) and its rows
-        for this step, as its policy plans them."""
+        """Each scheduled request's diffusion state and its rows as its policy plans them."""
         scheduled = []
         for req_id in req_ids:
             with failures.isolated(req_id, "reading its options"):
@@ -184,17 +162,15 @@ class DiffusionRunnerMixin:
         return request
 
     def _forget(self, req_id: str) -> None:
-        """Drop a request's diffusion state and give its slot back (it finished, failed
-        or was aborted)."""
+        """Drop a request's diffusion state, give its slot back (finished, failed, aborted)."""
         request = self.diffusion_requests.pop(req_id, None)
         if request is not None:
             self.block_slots.release(request.slot)
 
     def _propose(self, rows: list[RequestRows], step: ForwardStep, hidden_states: torch.Tensor,
                  out_rows: torch.Tensor, failures: StepFailures) -> ProposedBlocks | None:
-        """Proposals for every computed position of the step's blocks, within each
-        request's constraints ([R, B] grids on the host); a request whose grammar or
-        proposals raise, or whose leftmost undecided position has no token left, fails."""
+        """Proposals for every computed position of the step's blocks ([R, B] grids on the
+        host); a request whose grammar or proposals raise, or that is unsatisfiable, fails."""
         blocks, counts, hidden_index, where = denoised_blocks(rows, step, out_rows)
         if not blocks:
             return None

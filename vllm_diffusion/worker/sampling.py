@@ -1,21 +1,13 @@
-"""Proposing a token and its confidence for every position of a block.
-
-Greedy (temperature 0): the arg-max token, confidence = its softmax probability.
-Sampled: temperature, then min-p, top-k and top-p filtering; the token is drawn from the
-filtered distribution with the request's generator, confidence = its probability there
-(SDAR's ``generate.py``), or, for the policies whose papers define it so (ES-dLLM,
-Ada-DLM), the filtered distribution's largest probability. The mask token is never
-proposed.
-
-The engine proposes for all the requests of a step at once through the proposal pipeline
-(``proposal.py``), whose last stages are ``draw_for_requests`` here; the plain per-request
-reference is ``tests/reference_sampling.py``, tested to give the same tokens and
-confidences, seeded draws included.
+"""Proposing a token and its confidence for every position of a block: the last stages of
+the proposal pipeline (``draw_for_requests``: greedy arg-max, or temperature, min-p,
+top-k / top-p and a draw with the request's generator). The plain per-request reference
+is ``tests/reference_sampling.py``.
 """
 
 from __future__ import annotations
 
 import copy
+import itertools
 
 import torch
 
@@ -26,17 +18,15 @@ ROW_VALID, ROW_NO_TOKEN, ROW_NOT_FINITE, ROW_FAILED = 0, 1, 2, 3
 
 
 def argmax_params(params):
-    """A copy of the sampling parameters ``params`` that proposes the argmax (temperature
-    0), its other fields kept (penalties, logprobs, constraints)."""
+    """A copy of ``params`` proposing the argmax (temperature 0), its other fields kept."""
     greedy = copy.copy(params)
     greedy.temperature = 0.0
     return greedy
 
 
 def filter_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
-    """logits [n, V] (after temperature), min_p [n]: tokens whose probability is below
-    min_p times the row's largest probability go to -inf (vLLM's order: after temperature,
-    before top-k / top-p)."""
+    """logits [n, V] (after temperature, before top-k / top-p as vLLM), min_p [n]: tokens
+    below min_p times the row's largest probability go to -inf."""
     probs = logits.softmax(dim=-1)
     floor = min_p[:, None] * probs.max(dim=-1, keepdim=True).values
     return logits.masked_fill(probs < floor, float("-inf"))
@@ -47,8 +37,8 @@ def batched_filter_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor,
                                ) -> torch.Tensor:
     """Top-k then top-p filtering with a top_k and top_p per row ([n] each): entries
     filtered out go to -inf; a token is dropped once the tokens ranked above it reach
-    top_p, the most likely one always stays. ``any_nucleus``:
-    whether some row has top_p < 1, when the caller knows it on the host."""
+    top_p, the most likely one always stays. ``any_nucleus``: whether some row has
+    top_p < 1, when the caller knows it on the host."""
     vocab = logits.shape[-1]
     sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
     k = torch.where((top_k > 0) & (top_k < vocab), top_k, torch.full_like(top_k, vocab))
@@ -73,19 +63,13 @@ def draw_for_requests(logits: torch.Tensor, counts: list[int], params: list,
                       with_entropy: bool = False, invalid: torch.Tensor | None = None
                       ) -> tuple[torch.Tensor, ...]:
     """Temperature, top-k / top-p and the draw for the rows of several requests at once.
-    logits: [n, V] float32 (the earlier stages applied), request i owns the next
-    ``counts[i]`` rows; ``params[i]`` its sampling parameters (temperature, top_k, top_p)
-    and ``generators[i]`` its generator. Greedy rows are decided together; sampled rows
-    are filtered together and drawn per request, with its own generator, in request order
-    (so a seeded request draws exactly as when proposed alone). A sampled row's confidence
-    is the drawn token's probability in the filtered distribution, or with
-    ``max_probability`` that distribution's largest probability. With ``with_entropy`` a
-    third tensor [n]: each row's entropy (nats) of the distribution it proposed from.
-
-    ``invalid`` ([n] int8, ``proposal.invalid_rows``): rows already flagged; a sampled row
-    whose scaled logits are not finite (no token left, NaN, or an overflow by the
-    temperature) is drawn from a uniform stand-in instead of reaching
-    ``torch.multinomial``, and flagged here (in place) as not finite where it was valid."""
+    logits: [n, V] float32, request i owns the next ``counts[i]`` rows. Sampled rows are
+    filtered together and drawn per request with ``generators[i]``, in request order (a
+    seeded request draws as when alone); confidence: the drawn token's probability, or the
+    filtered distribution's largest with ``max_probability``. With ``with_entropy`` a
+    third tensor [n]: each row's entropy (nats). ``invalid`` ([n] int8): a sampled row
+    whose scaled logits are not finite is drawn from a uniform stand-in instead of
+    reaching ``torch.multinomial``, and flagged ``ROW_NOT_FINITE`` in place where valid."""
     probs = logits.softmax(dim=-1)
     confidence, tokens = probs.max(dim=-1)
     entropy = torch.special.entr(probs).sum(dim=-1) if with_entropy else None
@@ -93,9 +77,7 @@ def draw_for_requests(logits: torch.Tensor, counts: list[int], params: list,
     sampled = [i for i, p in enumerate(params) if p.temperature >= _GREEDY_EPS]
     if not sampled:
         return (tokens, confidence, entropy) if with_entropy else (tokens, confidence)
-    starts = [0]
-    for count in counts:
-        starts.append(starts[-1] + count)
+    starts = [0, *itertools.accumulate(counts)]
     spans = [range(starts[i], starts[i + 1]) for i in sampled]
     rows = torch.tensor([row for span in spans for row in span], dtype=torch.long)
     per_row = [(params[i].temperature, params[i].top_k, params[i].top_p,

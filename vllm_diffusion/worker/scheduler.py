@@ -1,27 +1,7 @@
-"""Scheduler for block-diffusion requests: one engine step = one denoising step.
-
-State of a request, as the scheduler sees it (B = diffusion block size):
-
-- ``request.num_tokens`` (F): prompt plus the output tokens emitted so far. Emitted tokens
-  are final (a decoded token never changes), but the KV of the block holding them is not.
-- the current block is ``[F // B * B, F // B * B + B)``: the runner computes it each step.
-- ``num_computed_tokens`` (C): the committed prefix, whose KV is exact. It is always a
-  multiple of B and at most the current block's start; between steps it is rolled back
-  to the block start, so every step schedules ``[C, block end)``.
-
-Each step therefore schedules, per running request, the commit of any block that was
-completed at the previous step (the prefill of ``[C, block start)``) fused with one
-denoising step of the current block. To make vLLM's scheduler ask for exactly that, the
-block's undecided positions are presented as placeholder "spec" tokens (and dropped from
-the output before the runner sees them: there are no drafts to verify). A new request's
-first step is its prompt's full blocks fused with the first denoising step of the block
-holding the prompt tail; ``num_lookahead_tokens = B`` makes vLLM allocate KV pages for it.
-
-Full attention (``geometry.CanvasGeometry``): nothing is committed (C is rolled back to 0),
-and every step schedules the request's whole sequence ``[0, canvas end)``, the canvas
-positions past the known tokens presented as placeholders the same way; a new request's
-first step reaches the canvas's end, and ``num_lookahead_tokens`` (the canvas's reach)
-makes vLLM allocate its pages.
+"""Scheduler for block-diffusion requests: one engine step = one denoising step. Every
+step schedules a request's committed prefix's end through its current block's end (the
+block's undecided positions as placeholder spec tokens), or, under full attention, its
+whole sequence. See docs/architecture.md, "Scheduler".
 """
 
 from __future__ import annotations
@@ -39,16 +19,16 @@ from vllm_diffusion.config import STEP_MAP_KEY, engine_config_from_vllm
 from vllm_diffusion.metrics import encode_counters
 from vllm_diffusion.step.failures import Failure, UncompilableGrammar
 from vllm_diffusion.worker.geometry import CanvasGeometry, step_geometry
-from vllm_diffusion.worker.outputs import DiffusionRunnerOutput, require_diffusion_output
+from vllm_diffusion.worker.outputs import require_diffusion_output
 
 logger = init_logger(__name__)
 
 
 def attach_step_maps(outputs: dict[int, Any], step_maps: dict[str, list[int]]) -> None:
-    """Put each asking request's step map so far (one entry per output token) into its
-    output's ``kv_transfer_params["diffusion_step_map"]``, the one free-form per-request
-    field vLLM carries from the engine to the response. The whole map rides on every
-    output, so the one that ends the request (also at a stop string) carries it all."""
+    """Put each asking request's step map so far into its output's
+    ``kv_transfer_params["diffusion_step_map"]`` (the one free-form per-request field vLLM
+    carries); every output carries the whole map, so the one that ends the request (also
+    at a stop string) has it all."""
     if not step_maps:
         return
     for engine_outputs in outputs.values():
@@ -67,15 +47,17 @@ class BlockDiffusionScheduler(Scheduler):
         self.geometry = step_geometry(config.model.attention, block, config.canvas_tokens,
                                       self.max_model_len, config.cache_mode)
         self.mask_token_id = config.mask_token_id
+        # No token is sampled "after" the scheduled ones; a new request's first step reaches
+        # up to B positions past its prompt (the canvas's reach under full attention).
+        self.num_sampled_tokens_per_step = 0
+        self._step_stats: SpecDecodingStats | None = None
         if isinstance(self.geometry, CanvasGeometry):
             if self.max_num_scheduled_tokens < self.max_model_len:
                 raise ValueError(
                     f"max_num_batched_tokens ({self.max_num_scheduled_tokens}) must be at "
                     f"least max_model_len ({self.max_model_len}): a full-attention step "
                     f"computes a request's whole sequence")
-            self.num_sampled_tokens_per_step = 0
             self.num_lookahead_tokens = config.canvas_tokens
-            self._step_stats = None
             return
         if self.block_size % block:
             raise ValueError(
@@ -88,11 +70,7 @@ class BlockDiffusionScheduler(Scheduler):
                 f"max_num_batched_tokens ({self.max_num_scheduled_tokens}) must be at "
                 f"least 2 * diffusion block size * max_num_seqs = {needed}: a step can "
                 f"commit one block and denoise the next for every running request")
-        # No token is sampled "after" the scheduled ones, and the first block of a new
-        # request reaches up to B positions past its prompt.
-        self.num_sampled_tokens_per_step = 0
         self.num_lookahead_tokens = block
-        self._step_stats: SpecDecodingStats | None = None
 
     def schedule(self, throttle_prefills: bool = False) -> SchedulerOutput:
         for request in self.running:
@@ -107,16 +85,14 @@ class BlockDiffusionScheduler(Scheduler):
         return output
 
     def get_grammar_bitmask(self, scheduler_output: SchedulerOutput) -> None:
-        """No core bitmask: the stock one masks the next position and the placeholder
-        block positions, and the engine core hands it only to ``sample_tokens``, which a
-        diffusion step never reaches; the runner keeps its own matchers
-        (``worker/grammar.py``). The core's acceptance check of emitted tokens stays on."""
+        """No core bitmask: the runner keeps its own matchers (``worker/grammar.py``;
+        docs/architecture.md, "Scheduler"). The core's acceptance check stays on."""
         return None
 
     def update_from_output(self, scheduler_output: SchedulerOutput,
                            model_runner_output: Any):
         runner_output = require_diffusion_output(model_runner_output)
-        self._step_stats = self._diffusion_step_stats(runner_output)
+        self._step_stats = encode_counters(runner_output.counters)
         # Finished before the stock bookkeeping, which then skips them (as it skips
         # requests aborted during the step); their error outputs are added after it.
         failed = {**self._take_uncompiled_grammars(), **runner_output.failed_requests}
@@ -139,10 +115,9 @@ class BlockDiffusionScheduler(Scheduler):
         return outputs
 
     def _take_uncompiled_grammars(self) -> dict[str, str]:
-        """The requests whose grammar the core's structured-output manager could not
-        compile (vLLM collects them in ``grammar_compile_error_reqs`` and would end them
-        with a bare error, HTTP 500), each with its ``stop_reason``: a client error naming
-        the grammar's kind and the backend's reason (``UncompilableGrammar``)."""
+        """The requests in ``grammar_compile_error_reqs`` (vLLM would end them with a bare
+        HTTP 500), each with its ``stop_reason``: a client error naming the grammar's kind
+        and the backend's reason (``UncompilableGrammar``)."""
         failed = {}
         for req_id in self.grammar_compile_error_reqs:
             request = self.requests.get(req_id)
@@ -157,19 +132,13 @@ class BlockDiffusionScheduler(Scheduler):
         return failed
 
     def _finish_failed(self, failed: dict[str, str]) -> list[Any]:
-        """Finish the requests whose step work failed in the runner (``failed``: req_id ->
-        its ``stop_reason``, ``step.failures``): their KV pages are freed here and the
-        runner forgets them at the next step."""
+        """Finish the requests whose step work failed in the runner (req_id -> its
+        ``stop_reason``); their KV pages are freed here."""
         if not failed:
             return []
         for req_id, why in failed.items():
             logger.error("vllm-diffusion: request %s finished with an error: %s", req_id, why)
         return self.finish_requests(failed, RequestStatus.FINISHED_ERROR)
-
-    def _diffusion_step_stats(self, runner_output: DiffusionRunnerOutput) -> SpecDecodingStats:
-        """This step's work, in the counters vLLM reports for diffusion models
-        (``metrics.encode_counters``)."""
-        return encode_counters(runner_output.counters)
 
     def make_stats(self, spec_decoding_stats: SpecDecodingStats | None = None, *args: Any,
                    **kwargs: Any):

@@ -1,27 +1,7 @@
 """Block-causal steps of a model whose logits are shifted
-(``ModelCapabilities.shifted_logits``: row t predicts token t + 1, an autoregressive head
-kept by a block-diffusion model).
-
-The rows are ``step_plan.plan_request``'s; what moves is the row each block position's
-logits are read from, always the row before it:
-
-- a block whose first position is known (a prompt token, or one an earlier step
-  decided) is computed whole, as every step computes it, and position j is read from
-  row j - 1 (positions 1..B-1 from rows 0..B-2; the known first position needs none);
-- a block whose first position is still masked (the known tokens end on the block's
-  start) is first given that token by the previous block's last row, whatever part of the
-  block the policy planned: the step computes
-  the commit rows of the blocks before it (their exact KV, every row seeing its whole
-  block) and none of the new block's, and reads position 0 from the last of them. This is
-  a clean block's commit fused with one autoregressive step; the block's denoising steps
-  follow, with its first token known. Should the step hold no commit row (that row's KV
-  cached already), the row is computed again, which rewrites its KV unchanged. That
-  step's proposal is the argmax at any temperature, as the published commit step's;
-- a step that computes part of the block (the active sub-block under Fast-dLLM v2's
-  block cache, ``policies/parts/sub_block_cache.py``; the rows FOCUS's intra-block cache has
-  not frozen) reads, from each computed row but the last, the position after it: a run of
-  positions from a known one reads each later position of the run. Every masked position
-  it computes must have its row before it computed (the policy's traits promise it).
+(``ModelCapabilities.shifted_logits``: row t predicts token t + 1): the rows are
+``step_plan.plan_request``'s, and each block position's logits are read from the row before
+it. See docs/architecture.md, "Shifted logits, block-causal".
 """
 
 from __future__ import annotations
@@ -92,8 +72,7 @@ def first_only() -> torch.Tensor:
 
 
 class ShiftedBlockPlanner(BlockPlanner):
-    """Plans block-causal steps (``plan_request``) with shifted logits
-    (``shift_block_rows``)."""
+    """Plans block-causal steps with shifted logits (``shift_block_rows``)."""
 
     def plan(self, req_id: str, token_ids: KnownTokens, num_computed: int, num_scheduled: int,
              request: DiffusionRequest, policy: DecodingPolicy, resumed: bool,

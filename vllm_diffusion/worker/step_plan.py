@@ -1,19 +1,15 @@
-"""What one denoising step computes for each scheduled request.
-
-For a request with committed prefix C (a multiple of B), known tokens F (prompt plus
-emitted output) and a scheduled range reaching ``C + N``:
-
-- if ``C + N >= F``: the rows are the commit/prefill of ``[C, F // B * B)`` with their real
-  tokens, then the current block ``[F // B * B, + B)`` with its canvas (fixed tokens, decoded
-  tokens and masks); keys visible up to the block end; logits for the block rows only.
-- otherwise (a partial prefill chunk): the rows are the whole blocks of ``[C, C + N)``;
-  no logits.
+"""What one denoising step computes for each scheduled request (block-causal). With
+committed prefix C, known tokens F and a step reaching ``C + N``: if ``C + N >= F``, the
+commit of ``[C, F // B * B)``, then the current block's canvas, keys to the block's end,
+logits for the block rows only; otherwise (a partial prefill chunk) the whole blocks of
+``[C, C + N)``, no logits.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 from typing import Any
 
 import torch
@@ -56,15 +52,11 @@ class RequestRows:
     block_row_start: int | None = None  # the block's first row among the request's rows
     # full attention under an approximate cache: this step rewrites every position's KV
     kv_refresh: bool = False
-    # every computed masked position is committed whatever the policy chooses (the
-    # refresh of Fast-dLLM's Dream block loop decides the block's first position alone)
+    # computed masked positions commit whatever the policy chooses (Dream's cached refresh)
     commit_candidates: bool = False
-    # the block's proposals are the argmax whatever the temperature (a shifted model's
-    # block's first token, read at the previous block's commit as its published loop does)
+    # proposals are the argmax at any temperature (a shifted model's block's first token)
     argmax_proposals: bool = False
-    # rows before its block position a block position's logits are read from (1 where the
-    # model's logits are shifted: ``shifted_plan.py``)
-    logits_shift: int = 0
+    logits_shift: int = 0  # rows before a block position its logits are read from
 
     @property
     def canvas(self) -> BlockCanvas | None:
@@ -75,15 +67,11 @@ def plan_request(req_id: str, token_ids: KnownTokens | list[int], num_computed: 
                  num_scheduled: int, geometry: BlockGeometry, mask_token_id: int,
                  request: DiffusionRequest, policy: DecodingPolicy,
                  resumed: bool = False) -> RequestRows:
-    """Rows of one request for this step; moves the request to its current block.
-
-    Tells the policy when the block starts (a new block, or the same block whose KV a
-    preemption freed: ``resumed``, or a committed prefix to recompute) and asks it for the
-    step's plan: the block positions to compute, how far keys reach, and, when the step
-    commits exactly the block the request just completed, which of its positions to
-    recompute (the others keep their cached KV). A block whose last step computed it whole
-    and changed nothing (``BlockCanvas.final_kv``) is committed with no recomputation.
-    """
+    """Rows of one request for this step; moves the request to its current block. Tells
+    the policy when the block starts (new, or its KV lost) and asks for the step's plan:
+    positions to compute, key reach, and which positions of the block just completed the
+    commit recomputes. A block whose last step computed it whole and changed nothing
+    (``BlockCanvas.final_kv``) is committed with no recomputation."""
     geometry.check_committed(req_id, num_computed)
     num_tokens = len(token_ids)
     committed = geometry.committed_after_step(num_computed, num_scheduled, num_tokens)
@@ -165,12 +153,8 @@ def emit_final_tokens(block_tokens: list[int], block_start: int, num_tokens: int
                       mask_token_id: int) -> list[int]:
     """Decoded tokens of the block (``block_tokens``, from ``block_start``) extending the
     request's ``num_tokens`` known tokens without a gap: its newly final tokens."""
-    run = []
-    for token in block_tokens[num_tokens - block_start:]:
-        if token == mask_token_id:
-            break
-        run.append(token)
-    return run
+    pending = block_tokens[num_tokens - block_start:]
+    return list(itertools.takewhile(lambda token: token != mask_token_id, pending))
 
 
 def decode_steps(canvas: BlockCanvas, num_tokens: int, count: int) -> list[int]:
@@ -200,9 +184,7 @@ def step_inputs(rows: list[RequestRows], page_ids: list[list[int]],
              for r, pages in zip(rows, page_ids) for p in r.positions]
     width = max((len(pages) for pages in page_ids), default=0)
     table = [[*pages, *[0] * (width - len(pages))] for pages in page_ids]
-    query_start_loc = [0]
-    for r in rows:
-        query_start_loc.append(query_start_loc[-1] + len(r.positions))
+    query_start_loc = [0, *itertools.accumulate(len(r.positions) for r in rows)]
     # int32 as vLLM's own runners pass them: a compiled forward is traced once, with
     # guards dropped, for the dtype its warm-up saw (int64 ids would be misread).
     token_ids = torch.tensor([t for r in rows for t in r.token_ids], dtype=torch.int32)

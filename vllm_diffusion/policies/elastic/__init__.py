@@ -1,5 +1,4 @@
-"""Optimus's elastic chunking (``policy.py``), the chunk statistics it chooses by
-(``chunk_statistics.py``) and its latency model (``latency_model.py``)."""
+"""Optimus's elastic chunking (``policy.py``), its chunk statistics and latency model."""
 
 from vllm_diffusion.policies.elastic.policy import ElasticConfig, ElasticPolicy
 

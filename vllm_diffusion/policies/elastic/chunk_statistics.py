@@ -1,18 +1,8 @@
 """What the ``elastic`` policy knows about chunk sizes: output tokens committed and block
-rows computed per request-step, per chunk size and decoding stage, learned from every
-step at every size the step's window contained.
-
-A step that computed a window of c_a undecided positions also shows what any smaller
-window would have done: a chunk of c computes the first c undecided positions (and, with
-reuse, the decoded positions of the intra-block cache's processing set left of them), so
-its commits are the step's commits among those c positions (at least one, as every
-strategy commits at least one), and its rows the step's computed positions in its window.
-``window_outcomes`` counts both for every candidate size up to c_a from the step's [R, B]
-masks at once, so a whole-block step informs every size and a size is compared with
-another on the same request-steps, not only when exploration visits it. The deviation
-this makes: a smaller window computes its positions with less of the block as context,
-so its confidences, and so its commits, can differ from the larger window's; the sizes'
-own steps (the choice and exploration) keep measuring them directly.
+rows computed per request-step, per chunk size and decoding stage. A step that computed a
+window of c_a undecided positions shows what every smaller window would have done (its
+commits among the first c undecided positions, at least one, and its computed positions
+there): ``window_outcomes`` counts both for every candidate size up to c_a at once.
 """
 
 from __future__ import annotations
@@ -28,10 +18,8 @@ MIN_OBSERVATIONS = 8
 
 
 def chunk_candidates(block_size: int) -> list[int]:
-    """The chunk sizes the policy chooses among: 1, 2, 3, 4, then every size a factor of
-    about 1.5 apart (6, 8, 12, 16, 24, 32, 48, ...) up to the block, and the block: finer
-    than powers of two, coarse enough that each size is observed often (with every size
-    1..B the noisiest estimate wins the argmax)."""
+    """1, 2, 3, 4, then sizes about 1.5 apart (6, 8, 12, 16, 24, ...) up to the block, and
+    the block (with every size 1..B the noisiest estimate would win the argmax)."""
     sizes, size = {1, 2, 3, 4, block_size}, 4
     while size < block_size:
         for step in (size * 3 // 2, size * 2):
@@ -108,16 +96,11 @@ class ChunkStatistics:
 
     def estimates(self, stage: int, candidates: list[int], block_size: int
                   ) -> dict[int, tuple[float, float]]:
-        """(commits, rows) per request-step at each candidate size in ``stage``.
-
-        A size seen often enough at this stage: its mean there. A size seen often enough
-        over all stages: that mean scaled by the stage's factors (``stage_factors``), so
-        a size seen mostly early in blocks and one seen mostly late are compared on the
-        same footing. Another size: interpolated linearly between the nearest such sizes,
-        or guessed from the whole block (commits N(B) * (c/B)^0.5, rows c + rows(B) - B).
-        Commits are then made non-decreasing in the size (pooled adjacent violators,
-        weighted by the sizes' observations): a larger window commits at least what a
-        smaller one does, so noise cannot rank a size above a larger one."""
+        """(commits, rows) per request-step at each candidate size in ``stage``: its mean
+        at the stage if seen often enough there, else its mean over all stages scaled by
+        ``stage_factors``, else interpolated linearly between the nearest such sizes, else
+        guessed from the whole block (commits N(B) * (c/B)^0.5, rows c + rows(B) - B);
+        commits then made non-decreasing in the size (weighted by observations)."""
         observed = self.observed_sizes(block_size)
         factors = self.stage_factors(stage, observed)
         known: dict[int, tuple[float, float]] = {}

@@ -1,11 +1,7 @@
-"""Step latency as a function of the rows a step computes (Optimus, section 5.2).
-
-T(x) for x = rows computed per step is piecewise affine with three regimes (memory-bound,
-transition, compute-bound): T = slope_k * x + intercept_k on [breaks_k, breaks_{k+1}).
-``fit_piecewise`` fits it by least squares over every pair of breakpoints taken from the
-samples; ``tools/profile_latency.py`` measures the samples on the machine for a model and
-writes a ``LatencyProfile`` as JSON, which the ``elastic`` policy loads at start-up. The
-profile names the model it was measured for; a profile of another model is refused.
+"""Step latency as a function of the rows a step computes (Optimus, section 5.2):
+piecewise affine in three regimes (``fit_piecewise``), learned online (``OnlineLatency``)
+or loaded from a ``LatencyProfile`` that ``tools/profile_latency.py`` measured for the
+same model (a profile of another model is refused).
 """
 
 from __future__ import annotations
@@ -100,9 +96,8 @@ def fit_piecewise(samples: list[tuple[float, float]], model: dict[str, Any],
 
 
 def binned(samples: list[tuple[float, float]], bins: int = 24) -> list[tuple[float, float]]:
-    """(rows, seconds) samples reduced to at most ``bins`` points: samples sorted by rows,
-    cut into groups of equal size, each the group's mean rows and median seconds (a
-    robust, small input for ``fit_piecewise``, whose search is cubic in its points)."""
+    """At most ``bins`` points: the samples by rows in groups of equal size, each the mean
+    rows and median seconds (a small input for ``fit_piecewise``, cubic in its points)."""
     ordered = sorted(samples)
     size = max(1, -(-len(ordered) // bins))
     points = []
@@ -114,18 +109,12 @@ def binned(samples: list[tuple[float, float]], bins: int = 24) -> list[tuple[flo
 
 
 class OnlineLatency:
-    """Step latency learned from the engine's own steps (no profile needed).
-
-    Each observation is (the rows a step computed, the wall time from that step's start
-    to the next one's: the whole engine step, scheduling and output included). The model
-    is refitted every ``refit_every`` observations (8) over a rolling window of the last
-    ``window`` ones: three affine regimes (``fit_piecewise``) or one affine fit, whichever
-    predicts the held-out steps better. Every ``holdout_every``-th observation is kept
-    out of the fit; ``held_out_error`` is the model's mean relative error on the latest of
-    those. Outside the row counts it has seen, it extends linearly (``seconds``). An interval over ``outlier_factor`` times the window's median per-row time is
-    dropped (the engine was idle in between). A saved profile may warm-start it: it
-    answers until the first fit.
-    """
+    """Step latency learned from the engine's own steps: (rows a step computed, wall time
+    from its start to the next step's), refitted every ``refit_every`` observations over
+    the last ``window`` (``_refit``); every ``holdout_every``-th is held out
+    (``held_out_error``). An interval over ``outlier_factor`` times the median per-row
+    time is dropped (the engine was idle in between). A warm-start profile answers until
+    the first fit."""
 
     def __init__(self, model: dict[str, Any], warm_start: LatencyProfile | None = None,
                  window: int = 512, refit_every: int = 8, holdout_every: int = 5,
@@ -148,9 +137,8 @@ class OnlineLatency:
         return self.profile is not None
 
     def seconds(self, rows: float) -> float:
-        """T(rows). Beyond the row counts the fit has seen, a regime fitted on a narrow
-        range can bend anywhere, so the model extends from its edge with the slope of one
-        affine fit over all its points (a fit on batch-1 steps must not forbid batch 4)."""
+        """T(rows); beyond the rows the fit has seen, extended from its edge with one affine
+        fit's slope (a fit on batch-1 steps must not forbid batch 4)."""
         assert self.profile is not None, "no latency model yet"
         if self.span is None:
             return self.profile.seconds(rows)
@@ -173,14 +161,13 @@ class OnlineLatency:
             self.held_out = (self.held_out + [(rows, seconds)])[-self.window // 4:]
             return
         self.samples = (self.samples + [(rows, seconds)])[-self.window:]
-        if len(self.samples) >= 8 and self.observed % self.refit_every == 0 or (
-                not self.fitted and len(self.samples) >= 8):
+        if len(self.samples) >= 8 and (self.observed % self.refit_every == 0
+                                       or not self.fitted):
             self._refit()
 
     def _refit(self) -> None:
-        """Refit over the window: the three-regime fit where it predicts the held-out steps
-        better than one affine fit (clustered row counts make degenerate regimes), else
-        the affine one."""
+        """The three-regime fit where it predicts the held-out steps better than one affine
+        fit (clustered row counts make degenerate regimes), else the affine one."""
         points = binned(self.samples)
         rows = [r for r, _ in self.samples]
         self.span = (min(rows), max(rows))

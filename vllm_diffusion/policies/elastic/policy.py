@@ -1,65 +1,10 @@
-"""Elastic chunked decoding (Optimus, section 5): the chunk size chosen at every step,
-with a latency model the engine learns from its own steps.
-
-Each step, for the b requests scheduled, the policy picks
-
-    c* = argmax over c in C of  sum_i N_commit(c_i, stage_i) / T(sum_i rows(c_i, stage_i)),
-    c_i = min(c, U_i)  (a block with U_i undecided positions computes at most U_i)
-
-over the chunk sizes C (``chunk_candidates``: 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, ... up
-to B, not only powers of two), keeping the current size unless another promises 5% more
-(``SWITCH_MARGIN``), where
-
-- T(x) is the step latency for x rows, learned online (``OnlineLatency``): each engine
-  step's wall time (from its start to the next step's start) against all the rows its
-  forward computed (block rows, the commit rows of completed blocks, prefill), refitted
-  over a rolling window, its error measured on held-out steps. The same definition is
-  queried: a chunk's block rows plus its commits, as each committed token is computed
-  once more when its block is committed (amortised over the block's steps; the stable
-  end's reuse aside). Counting block rows alone would leave that cost, which grows with
-  the commits, out of the comparison and favour large chunks under load. A saved profile
-  (``latency_profile``, made by ``tools/profile_latency.py``) may warm-start it; none is
-  needed: until the first fit (8 steps) the policy decodes whole blocks;
-- N_commit(c, stage) and rows(c, stage) are the mean output tokens committed and block
-  rows computed per request-step at chunk c, observed since start-up and kept per
-  decoding stage (the quarter of the block still masked before the step), so the estimate
-  follows the stage: early steps commit less than late ones. Commits past the request's
-  stop token or ``max_tokens`` are not output and not counted (a block after the answer
-  commits all its EOS padding at once at c = B, which would otherwise make whole blocks
-  look several times faster than they are). A request whose block is done counts in the
-  first stage (its next step starts a new block). A size with too few observations at a
-  stage takes its mean over all stages scaled by how that stage differs from the mean in
-  the sizes seen there (the sizes are seen in different stages: the whole block at the
-  start of blocks during warm-up, say; unscaled, the comparison would be of stages, not
-  sizes), then interpolates between the nearest observed sizes (linear in c), then
-  guesses from the whole block; commits are made non-decreasing in c
-  (``ChunkStatistics.estimates``). Each request-step informs every size up to its
-  window's (``chunk_statistics.window_outcomes``: what the first c undecided positions
-  committed), so a whole-block step measures every size. The statistics learn every
-  ``LEARN_EVERY`` steps from the request-steps since, in one pass over all of them, and
-  the estimates are kept until they learn again: the policy's own work per step is a
-  pass over the step's canvases and ten latency queries.
-
-c counts the undecided positions a step computes per request (the chunk window of
-``parts/chunk_window.py``: the first c undecided positions, with decoded ones left of them as
-context; with ``chunk_reuse``, the default here as in the paper's prefix caching, those
-keep their KV, so a request computes about c positions). Every ``explore_every``-th step
-one request (in turn) decodes at the least observed size, so every estimate keeps being
-measured without moving the batch off its choice. Unmasking is the strategies'
-(``policies/rules/``); committed KV is exact whatever the chunk.
-
-The chunk a request decodes at depends on the load (the batch it runs in, the latency
-measured, its turn to explore), and so does its output, greedy included: the chunk
-decides which positions a step sees and may commit. A request's own ``chunk_size`` pins
-its chunk (neither the choice nor exploration moves it), so identical greedy requests
-with the same pin decode to the same output whatever else runs, as under ``standard``.
-
-Remaining deviations: the paper profiles T offline per model and GPU; here it is learned
-in service (a profile is optional). The paper measures N_commit per size; here a size is
-also credited with what larger windows committed in its positions (a smaller window sees
-less of the block, so its own confidences can differ). The paper's exploration is not
-specified; ours is one request per ``explore_every`` steps. Token editing is refused (a
-chunk leaves positions without a new proposal).
+"""Elastic chunked decoding (Optimus, section 5): ``ElasticPolicy`` chooses the chunk
+size at every step as the c maximising the batch's expected commits per second,
+sum_i N_commit(min(c, U_i), stage_i) / T(sum_i rows(min(c, U_i), stage_i)) (U_i: block
+i's undecided positions), from the statistics of ``chunk_statistics.py`` and the latency
+model of ``latency_model.py``, both learned from the engine's own steps. The window is
+``parts/chunk_window.py``'s; unmasking is the rules'. Why T is queried with the commits,
+what is counted, exploration, pinning and the deviations: docs/policies.md, "elastic".
 """
 
 from __future__ import annotations
@@ -175,10 +120,8 @@ class ElasticPolicy(StrategyPolicy[ElasticConfig, ChunkWindow]):
             self.chosen[self.step_chunk] += 1
 
     def choose_chunk(self, requests: list[ElasticRequest]) -> int:
-        """c* for a step of ``requests``, from the estimates so far. A request with U
-        undecided positions computes min(c, U) of them whatever c is, so its estimate is
-        that size's (in its stage): a block nearly done is indifferent to the choice,
-        which the blocks the choice matters for then make."""
+        """c* for a step of ``requests``, from the estimates so far (a request with U
+        undecided positions computes min(c, U) of them, so its estimate is that size's)."""
         per_block = collections.Counter(self.undecided_counts(requests))
         sizes = list(range(1, self.block_size + 1))
         totals = {c: [0.0, 0.0] for c in self.candidates}  # commits, rows of the step
@@ -199,9 +142,8 @@ class ElasticPolicy(StrategyPolicy[ElasticConfig, ChunkWindow]):
         return best
 
     def undecided_counts(self, requests: list[ElasticRequest]) -> list[int]:
-        """Undecided positions of the block each request's next step denoises (one pass
-        over the step's canvases); a canvas with nothing masked left is done, so its next
-        step starts a new block (all B undecided)."""
+        """Undecided positions of the block each request's next step denoises (a done
+        canvas: B, its next step starts a new block)."""
         canvases = [r.canvas.tokens for r in requests if r.canvas is not None]
         masked = (torch.stack(canvases) == self.mask_token_id).sum(dim=1).tolist() if (
             canvases) else []
@@ -219,8 +161,7 @@ class ElasticPolicy(StrategyPolicy[ElasticConfig, ChunkWindow]):
                                          request.policy_config.chunk_reuse)
 
     def forward_hooks(self, step: ForwardStep) -> None:
-        """No hooks; the step's plan is final here, so its rows (all of them: prefill,
-        commits and block rows) are noted for the latency model."""
+        """No hooks; notes the step's rows (all of them) for the latency model."""
         self.step_rows = step.num_rows
         return None
 

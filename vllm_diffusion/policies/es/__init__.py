@@ -1,5 +1,4 @@
-"""ES-dLLM (``policy.py``: the policy, its options and forward hooks) and its per-request
-state and decision (``state.py``)."""
+"""ES-dLLM (``policy.py``: the policy, options and hooks; ``state.py``: its state)."""
 
 from vllm_diffusion.policies.es.policy import EsConfig, EsPolicy, default_skip_layers, keep_count
 

@@ -1,75 +1,9 @@
-"""ES-dLLM: skip low-importance block positions after early layers (Zhu et al., "ES-dLLM:
-Efficient Inference for Diffusion Large Language Models by Early-Skipping", sections
-5.1-5.2, Algorithm 1, Appendix B; the authors' released code, zhuzj19/ES-dLLM), inside the
-current block of a block-diffusion model, or of a full-attention model's dual cache.
-
-At each layer ``l`` of ``skip_layers``, after the layer's output H_l, every block position
-still in the forward gets the importance (Eq. 1)
-
-    I = alpha * c_prev + (1 - alpha) * ||H_l - H_l'||_1 / (sqrt(d) * ||H_l'||_2)
-
-where H_l' is the position's output of that layer the last time it continued past it in
-this block and c_prev its confidence (the maximum probability, as the paper defines it)
-at the last step it reached the logits (0 when it was already decoded then, and for the
-positions decoded by that step). The variation term is divided by its largest value over
-the positions when that exceeds 1. With ``priority_bonuses`` (the authors' code; on by
-default) the importance is raised by 5 at the block's leftmost masked position, by 3 at
-the positions decoded by the previous step (when alpha < 1: their KV is refreshed with
-their token) and by 2 at the two positions of highest c_prev (when alpha > 0; ties to the
-left). The top ``count_j`` positions continue (ties to the left), the others leave the
-forward for this step: their KV at the later layers stays what the last step that
-computed them wrote (still attended to), their cached output H_l' and confidence stay
-(the authors update the caches of the survivors only), and they are not committed.
-
-``count_j`` at the j-th skip layer (1-based) is floor((1 - skip_ratio)^j * n) of the n
-block positions the step computes (the authors' cumulative proportions 1, 0.5, 0.25),
-rounded so that binary float error never loses a position, at least 1, and with
-``keep_floor`` (the authors' code; on by default) at least min(d + 2, n), d the positions
-the request's previous step decoded.
-
-Steps that compute every position through every layer (and refresh the caches): the
-block's first step, a step after the block's KV was lost (preemption), every
-``refresh_period``-th step of the block (the paper's block refresh, Table 5: every 4 steps
-for LLaDA on BBH, HumanEval and MBPP, the authors' scripts' most common setting; the
-default), and the block's last allowed step (so ``denoising_steps`` holds).
-
-Where logits are shifted (Fast-dLLM v2's form, the converted default: position j is read
-from row j - 1), every entry is the row that decodes a position, a choice the paper (on
-LLaDA and Dream's dual cache) does not make: importance, confidence and cached output
-belong to the decoded position, the leftmost-mask bonus goes to the row before the
-leftmost mask, and the just-decoded bonus to the rows holding the just-decoded tokens
-(whose KV it refreshes: position p's token is in the row that decodes p + 1). The block's
-last row, which decodes the next block's first token, always continues. The step that
-reads the block's first token from the previous block's commit computes none of the
-block's rows: it is not one of the block's steps (the block's first step computes
-everything, the refresh period counts from it).
-
-Deviations, with their reasons:
-- The committed prefix's KV is exact (committed blocks are re-encoded as in ``standard``),
-  so the paper's prompt refresh has nothing to act on; the block refresh counts the steps
-  of the current block (the authors count steps over the whole generation, and their
-  block's first step is not a refresh unless the count says so: their first forward
-  computes every future block, ours has no earlier output of a new block to compare with).
-- The keep floor uses the request's own decoded count (the authors' batch takes the
-  maximum over its requests: one request's choice would depend on its neighbours).
-- Without the bonuses the masked position with the highest c_prev always continues, so
-  every step can commit (the paper states no such rule; the bonuses make it unnecessary:
-  the leftmost masked position continues).
-- A preemption frees the block's KV, including the later-layer KV of skipped positions,
-  which was computed from an earlier canvas and cannot be rebuilt; the step after it
-  computes everything (as a refresh does). The decision state (c_prev, the cached
-  outputs, the decoded positions, the block's step count) is kept across it.
-
-On a full-attention model (LLaDA), the paper's own setting: under Fast-dLLM's dual cache
-(``diffusion_cache_mode`` ``dual``, required) a block's first step refreshes every
-position's KV with a full forward (the paper's prompt refresh; the authors' default
-period, the block length, makes it once per block at one token per step) and computes
-everything; the later steps compute the block alone, skipping as above.
-
-Default ``skip_layers``: the paper's depths 1/8 and 1/4 of the layers (layers 4 and 8 of
-LLaDA's 32), rounded half up, then moved into [2, L - 2] so that layers 0-1 (whose outputs
-barely depend on context in a shallow model) and the last layer are never skip points: 12
-layers -> (2, 3); the 4-layer tiny model -> (2,).
+"""ES-dLLM (early skipping; Zhu et al., sections 5.1-5.2, Algorithm 1, with the safeguards
+of the authors' released code): after each layer of ``skip_layers`` the block positions of
+lowest importance (Eq. 1, ``EsHooks.after_output``) leave the forward for the step.
+``EsPolicy`` plans whole blocks and unmasks like ``standard`` among the positions kept;
+its decision state is in ``state.py``. Options, shifted logits, full attention and every
+deviation from the paper: docs/policies.md, "es".
 """
 
 from __future__ import annotations
@@ -87,6 +21,7 @@ from vllm_diffusion.policies.base import BlockStart
 from vllm_diffusion.policies.es.state import EsSlotState, EsState
 from vllm_diffusion.policies.parts.strategy_unmasking import StrategyPolicy
 from vllm_diffusion.policies.parts.strategy_config import StrategyConfig
+from vllm_diffusion.policies.rules.blocks import rank_by_score
 from vllm_diffusion.step.hooks import (ForwardStep, LayerHooks, LayerInput, RowSelection,
                                        StepHooks)
 from vllm_diffusion.step.plans import WHOLE_BLOCK, BlockStepPlan, StepBlocks, StepDecision
@@ -98,7 +33,7 @@ VARIATION_EPS = 1e-6  # added to the L2 norm (the authors' code)
 
 
 def default_skip_layers(num_layers: int) -> tuple[int, ...]:
-    """The paper's skip depths for a model of ``num_layers`` layers (see the module doc)."""
+    """The paper's depths L/8 and L/4, rounded half up, moved into [2, L - 2]."""
     if num_layers < 4:
         return ()
     chosen = {min(max(math.floor(num_layers * f + 0.5), 2), num_layers - 2)
@@ -155,8 +90,9 @@ LEFTMOST_MASK_BONUS, DECODED_BONUS, TOP_CONFIDENCE_BONUS = 5.0, 3.0, 2.0  # the 
 def keep_count(num_computed: int, depth: int, skip_ratio: float, decoded_last_step: int,
                keep_floor: bool) -> int:
     """Positions that continue past the ``depth``-th skip layer (1-based) of a step that
-    computes ``num_computed`` block positions (see the module doc)."""
-    count = math.floor((1.0 - skip_ratio) ** depth * num_computed + 1e-9)
+    computes ``num_computed`` block positions: floor((1 - skip_ratio)^depth * n), at least
+    1, and min(decoded_last_step + 2, n) with ``keep_floor``."""
+    count = math.floor((1.0 - skip_ratio) ** depth * num_computed + 1e-9)  # float error
     if keep_floor:
         count = max(count, min(decoded_last_step + 2, num_computed))
     return max(count, 1)
@@ -169,20 +105,10 @@ def variation(hidden: torch.Tensor, previous: torch.Tensor) -> torch.Tensor:
         math.sqrt(hidden.shape[-1]) * (previous.norm(dim=-1) + VARIATION_EPS))
 
 
-def rank_in_blocks(score: torch.Tensor) -> torch.Tensor:
-    """[R, B] each position's rank within its block by score descending (ties to the
-    left); score: [R, B] (-inf where a position is not in the forward)."""
-    order = torch.sort(score, dim=1, descending=True, stable=True).indices
-    return torch.empty_like(order).scatter_(
-        1, order, torch.arange(score.shape[1]).expand_as(order).contiguous())
-
-
 class EsHooks(StepHooks):
-    """The step's skipping, over every block at once. The scores live on the host as [R, B]
-    grids over the blocks' positions (``present``: the positions still in the forward);
-    the layer outputs are gathered as flat entries (``segment``: the block of each), whose
-    cached outputs are read and written in place in the policy's [S, B, d] slot tables at
-    (the block's slot, the position). Made only for steps with at least one block."""
+    """The step's skipping, over every block at once: scores in [R, B] host grids
+    (``present``: the positions still in the forward), layer outputs as flat entries
+    (``segment``: the block of each) cached in the policy's [S, B, d] slot tables."""
 
     def __init__(self, step: ForwardStep, skip_layers: tuple[int, ...],
                  mask_token_id: int, slot_state: EsSlotState) -> None:
@@ -271,7 +197,7 @@ class EsHooks(StepHooks):
                       + rest * change / change.amax(dim=1, keepdim=True).clamp(min=1.0)
                       + self.bonus)
         absent = ~self.present
-        importance += ((rank_in_blocks(self.confidence.masked_fill(absent, -math.inf)) < 2)
+        importance += ((rank_by_score(self.confidence.masked_fill(absent, -math.inf))[1] < 2)
                        * self.top_two_bonus)
         if self.guarded is not None:
             best = torch.where(self.guarded, self.confidence, -1.0).masked_fill(
@@ -279,7 +205,7 @@ class EsHooks(StepHooks):
             importance.scatter_(1, best, torch.where(
                 self.guarded.gather(1, best), math.inf, importance.gather(1, best)))
         continuing = self.present & (
-            (rank_in_blocks(importance.masked_fill(absent, -math.inf))
+            (rank_by_score(importance.masked_fill(absent, -math.inf))[1]
              < self.keep_counts[layer]) | self.not_skipping)  # [R, B]
         kept = continuing[grid]  # [n]
         # The caches of the positions that continue (the authors' update rule).

@@ -1,8 +1,6 @@
-"""ES-dLLM's decision state and its decision (the ``es`` policy, ``policy.py``): per request
-where its block stands (``EsState``), per slot each position's last confidence, the
-positions the previous step decoded and the skip layers' cached outputs
-(``EsSlotState``), and the strategy decision that records the confidences and the decoded
-positions (``EsUnmasking``)."""
+"""ES-dLLM's decision state (the ``es`` policy, ``policy.py``): per request where its block
+stands (``EsState``); per slot each position's last confidence, the positions the previous
+step decoded and the skip layers' cached outputs (``EsSlotState``)."""
 
 from __future__ import annotations
 

@@ -1,22 +1,10 @@
-"""FOCUS inside the forward: importance at two layers, then row selection.
-
-``FocusStepHooks`` runs before the attention of layers ``L - 1`` and ``L`` (L =
-``eviction_layer``). At L - 1 it keeps the queries and keys of every evicting request's
-masked candidates; at L it computes the candidates' importance at both layers in one
-call; then, once every row's keys/values are
-known (the attention stores them for all rows), it asks each request's state for its
-budget, selects the retained positions for all requests in one batched call, and returns
-the rows that continue. An evicting request's keys are cut after its rightmost retained
-position: positions left of it have KV at every layer (placeholder integrity), positions
-right of it may not. Rows that are not block rows of an evicting request (prefill and
-commit rows, requests with ``evict=False`` and requests the runner keeps whole) always continue.
-The evicting blocks' [P, B] grids are read from the block slots and the policy's slot
-table at once (``step.slots``).
-
-Where logits are shifted (``StepRequest.logits_shift``), the grids are over the positions
-the block rows decode, each row one position before the one it decodes: the keys stop
-after the rightmost kept row, and the rows after the block rows (the last row, which
-decodes the next block's first position) stop with them once a block evicts.
+"""FOCUS inside the forward (``FocusStepHooks``): before the attention of layers L - 1 and
+L (L = ``eviction_layer``) it reads the evicting blocks' candidates' queries and keys, then
+computes their importance at both layers in one call and selects every block's retained
+positions in one batched call. An evicting request's keys are cut after its rightmost
+retained position (positions left of it have KV at every layer, right of it may not);
+rows that are not block rows of an evicting request always continue. Where logits are
+shifted the grids are over the positions the rows decode (docs/policies.md, "focus").
 """
 
 from __future__ import annotations

@@ -1,35 +1,8 @@
-"""FOCUS: evict non-decodable tokens of a block after an early layer (arXiv 2601.23278).
-
-At layers ``eviction_layer - 1`` and ``eviction_layer`` (0 and 1 in the paper) the
-importance of every masked candidate (``kernels/importance.py``) gives the delta
-I(L) - I(L-1); the top-K candidates by delta (K from ``token_budget``), with the
-structural constraints of ``select_retained``, continue through layer L's attention and
-every later layer; the others are evicted for this step and stay masked (``hooks.py``).
-Decoded positions stop being recomputed once they and their right neighbour are decoded
-(``IntraBlockCache``). The unmasking rule (the standard strategies) sees only retained
-positions. With ``evict=False`` and ``intra_block_cache=False`` every step computes the
-whole block and FOCUS decodes exactly like ``standard``.
-
-Variants, as named options (the paper's are the defaults):
-
-- ``decode_rate``: ``across_blocks`` keeps the running mean of tokens decoded per step over
-  the request (Eq. 17-19); ``per_block`` resets it at each block and skips steps that
-  decoded nothing (the authors' serving code).
-- ``context_rule``: see ``selection.CONTEXT_RULES``.
-
-Commit of a completed block: ``exact`` re-encodes the decoded block in the next step (its
-committed KV equals a clean forward); ``delayed`` recomputes only the positions the
-intra-block cache has not frozen (those decoded at the block's last steps), as the
-paper's implementation does, and keeps the frozen positions' KV.
-
-Where the model's logits are shifted (Fast-dLLM v2's form: position j is read from row
-j - 1), FOCUS works on the positions the rows decode, a choice the paper (on SDAR and
-LLaDA2, whose rows predict their own positions) does not make: the candidates' importance
-is that of the rows that decode them (``benchmarks/decodability_study.py`` measures this
-signal), the retained positions keep their rows before them, and the keys stop after the
-rightmost kept row. The intra-block cache then decides rows, not positions: a row is
-frozen once its token and the one after it (the token it predicts) are decoded. The
-delayed commit is refused there.
+"""FOCUS (arXiv 2601.23278): evict a block's non-decodable candidates after an early layer
+(``hooks.py``: importance at layers ``eviction_layer - 1`` and ``eviction_layer``, top-K by
+its delta), reuse decoded positions' KV by the neighbour-aware intra-block cache, and
+unmask like ``standard`` among the retained positions. Options, the authors' variants,
+the delayed commit and shifted logits: docs/policies.md, "focus".
 """
 
 from __future__ import annotations
@@ -99,9 +72,8 @@ class FocusConfig(StrategyConfig):
 
 @dataclasses.dataclass
 class FocusRequestState:
-    """FOCUS state of one request; the block-level parts reset at each block. Which of
-    its block's positions were ever processed is its slot's row of the policy's
-    ``ever_processed`` table."""
+    """FOCUS state of one request (which of its block's positions were ever processed is
+    its slot's row of the policy's ``ever_processed`` table)."""
 
     block_size: int
     decoded_steps: int = 0

@@ -1,12 +1,8 @@
-"""The neighbour-aware intra-block cache (FOCUS Section 4.3), shared by the policies that
-reuse decoded positions' KV within a block (FOCUS, chunked decoding with reuse).
-
-Which positions of a block a step processes: all of them on the block's first step;
-afterwards a decoded position is dropped once it and its right neighbour were both
-decoded before the step (so it is recomputed once with its real token first). Other
-rules (``RULES``): ``after_recompute`` drops a decoded position after the step that
-recomputed it with its token, whatever its neighbour; ``immediate`` drops it as soon as it
-is decoded, so its KV stays what it was computed from the mask token.
+"""The neighbour-aware intra-block cache (FOCUS section 4.3), shared by the policies that
+reuse decoded positions' KV within a block; which positions a step computes. ``RULES``:
+``after_neighbour`` drops a decoded position once it and its right neighbour were decoded
+before the step, ``after_recompute`` after the step that recomputed it with its token,
+``immediate`` as soon as it is decoded (its KV stays the mask token's).
 """
 
 from __future__ import annotations
@@ -41,10 +37,9 @@ class IntraBlockCache:
                masked_after_step: torch.Tensor | None = None,
                computed: torch.Tensor | None = None) -> None:
         """After a step, given which positions were masked before its unmasking (and,
-        for ``immediate``, after it). ``computed`` ([B] bool, the positions this step
-        computed through every layer), where a step may leave out uncached positions (a
-        chunk window that shrinks): only a computed position can be cached, so none
-        keeps KV made from its mask token or before its right neighbour was decoded."""
+        for ``immediate``, after it). ``computed`` ([B] bool, through every layer): where a
+        step may leave out uncached positions (a chunk window that shrinks), only a
+        computed position can be cached."""
         self.warm = True
         if self.rule == "immediate":
             self.uncached &= masked_after_step

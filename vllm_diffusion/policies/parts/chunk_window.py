@@ -1,20 +1,9 @@
-"""Chunked decoding's window (Optimus, section 4.4: streaming reorganisation), a component
-of the policies that compute a chunk of the block (``standard``, ``elastic``).
-
-With chunk size c, a step computes only the first c undecided positions of the block
-(re-chosen every step) and the decoded positions left of the c-th as context (all of the
-block once no more than c positions are undecided); nothing right of the window is
-computed or attended to, and only undecided positions in the window may be committed.
-Decoded positions left of the chunk are recomputed (exact) or, with ``chunk_reuse``, keep
-their KV by the intra-block cache's rule. With c = B and no reuse it is whole-block
-decoding. Committed KV is always exact.
-
-Where the model's logits are shifted (position j read from row j - 1) the window is of
-rows: rows 0..E-1 read positions 1..E-1, so every undecided position in it is read (the
-first undecided one's row before it is a decoded position's, always in the window), and
-the intra-block cache decides rows (a row is frozen once its token and the one it
-predicts are decoded); it is updated from the rows the step planned, as the positions it
-read are one row later.
+"""Chunked decoding's window (Optimus, section 4.4), a component of ``standard`` and
+``elastic``: with chunk size c a step computes the first c undecided positions and the
+decoded ones left of them (the whole block once no more than c are undecided); nothing
+right of the window. With ``chunk_reuse`` decoded positions keep their KV by the
+intra-block cache's rule. Where logits are shifted the window is of rows and the cache
+decides rows, updated from the rows planned (docs/policies.md, "elastic").
 """
 
 from __future__ import annotations
@@ -89,9 +78,8 @@ class ChunkWindow:
 
     def after_step(self, masked_before: torch.Tensor, computed: torch.Tensor,
                    reuse: bool, shifted: bool = False) -> None:
-        """masked_before, computed: [B] bool (the step's positions that went through every
-        layer: a window that shrank this step left some decoded positions out);
-        ``shifted``: the model's logits are shifted (the cache takes the planned rows)."""
+        """masked_before, computed: [B] bool (through every layer; a shrinking window leaves
+        decoded positions out); ``shifted``: the cache takes the planned rows."""
         if reuse:
             rows = self.planned if shifted and self.planned is not None else computed
             self.cache.update(masked_before, computed=rows)

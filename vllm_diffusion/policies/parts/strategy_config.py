@@ -1,6 +1,5 @@
-"""The options of the policies that unmask by the rules of ``policies/rules/``
-(``StrategyConfig``): the rule (``strategy``), each rule's own options, sub-blocks, the
-steps a block may take, and LLaDA2.1 token editing."""
+"""``StrategyConfig``: the options of the policies that unmask by the rules of ``rules/``
+(the rule, each rule's own options, sub-blocks, steps per block, token editing)."""
 
 from __future__ import annotations
 
@@ -28,24 +27,21 @@ class StrategyConfig(PolicyConfig):
 
     strategy: str = option("low_confidence_dynamic", Rule(str, choices=STRATEGIES))
     threshold: float = option(0.9, Rule(float, low=0.0, high=1.0))
-    # ``factor`` (Fast-dLLM's dynamic rule): the masked position of confidence rank n
-    # (1-based) commits while every rank up to it is at least 1 - factor / (n + 1)
+    # ``factor`` (Fast-dLLM's dynamic rule): rank n commits while every rank up to it is
+    # at least 1 - factor / (n + 1)
     factor: float = option(1.0, Rule(float, low=0.0, high=1e6, low_inclusive=False))
     # gamma of ``entropy_bounded`` (nats); 0.1 as the public EB-sampler implementations
     # default to (the paper sweeps 1e-3 to 1)
     entropy_bound: float = option(0.1, Rule(float, low=0.0, high=1e6))
-    # the order in which ``entropy_bounded`` takes the masked positions: lowest entropy
-    # first (the public implementations'), or highest confidence first
+    # lowest entropy first (the public implementations'), or highest confidence first
     entropy_bounded_order: str = option("entropy", Rule(str, choices=ENTROPY_BOUNDED_ORDERS))
-    # ``timestep_schedule`` (Dream's ``diffusion_generate``): the last of the timesteps
-    # ``linspace(1, eps, steps + 1)``, and the published ``alg`` ranking the masks
-    # (``maskgit_plus``, ``entropy``; ``topk_margin`` and ``origin`` are refused)
+    # ``timestep_schedule``: the last of the timesteps ``linspace(1, eps, steps + 1)``, and
+    # the published ``alg`` ranking the masks (``UNSERVED_ALGS`` refused)
     eps: float = option(1e-3, Rule(float, low=0.0, high=1.0))
     alg: str = option("maskgit_plus", Rule(str, choices=(*SCHEDULE_RANKINGS,
                                                          *UNSERVED_ALGS)))
-    # Sub-blocks of this many positions, decoded left to right (Fast-dLLM v2): a step
-    # commits only in the leftmost sub-block still holding a computed mask; None: the
-    # whole block at once. Must divide the block size.
+    # Sub-blocks decoded left to right (Fast-dLLM v2): a step commits only in the leftmost
+    # one still holding a computed mask; None: the whole block at once.
     sub_block_size: int | None = option(None, Rule(int, low=1, high=1024, optional=True))
     # Cap on denoising steps per block; None means one step per block position.
     denoising_steps: int | None = option(None, Rule(int, low=1, high=4096, optional=True))
@@ -55,12 +51,10 @@ class StrategyConfig(PolicyConfig):
                                                         optional=True))
     # Steps a block may run with no mask left before it ends anyway (editing only).
     max_post_steps: int = option(16, Rule(int, low=0, high=4096))
-    # Engine-wide: the largest 'max_post_steps' a request may ask for (each post step is
-    # a forward of the block, so the option multiplies a request's work).
+    # Engine-wide: the largest 'max_post_steps' a request may ask for (each is a forward).
     max_post_steps_limit: int = option(64, Rule(int, low=0, high=4096))
     # Where tokens move (the rewriting loop): the hard cap on a block's denoising steps
-    # (LLaDA2.2's published 1000), at most the
-    # engine-wide 'max_steps_per_block_limit'.
+    # (LLaDA2.2's published 1000), at most the engine-wide 'max_steps_per_block_limit'.
     max_steps_per_block: int = option(1000, Rule(int, low=1, high=100000))
     max_steps_per_block_limit: int = option(1000, Rule(int, low=1, high=100000))
 
@@ -87,8 +81,7 @@ class StrategyConfig(PolicyConfig):
         if self.denoising_steps is not None and self.denoising_steps > block_size:
             raise OptionError(
                 f"{source}: option 'denoising_steps' must be at most the block size "
-                f"({block_size}), got {self.denoising_steps}"
-            )
+                f"({block_size}), got {self.denoising_steps}")
 
     def refuse_editing_with(self, source: str, reason: str) -> None:
         """Raise if editing is on: ``reason`` says why this configuration cannot honour it."""

@@ -1,11 +1,6 @@
-"""The decision by the unmasking rules of ``policies/rules/`` and the base of the policies
-that decide by it (``StrategyPolicy``).
-
-A block commits by its request's ``strategy`` (its rule), edits filled tokens where the
-request asks for LLaDA2.1 token editing (``rules/token_editing.py``), and, where the
-served model's edits move tokens, is rewritten by the joint loop of
-``rules/joint_editing.py``.
-"""
+"""The decision by the unmasking rules of ``policies/rules/`` (``strategy_decision``: each
+block's rule's commits, LLaDA2.1's token edits, or the joint loop where the model's edits
+move tokens) and the base of the policies that decide by it (``StrategyPolicy``)."""
 
 from __future__ import annotations
 

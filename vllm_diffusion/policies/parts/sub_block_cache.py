@@ -1,18 +1,9 @@
-"""Fast-dLLM v2's block cache (its published ``generate``'s ``use_block_cache``), a
-component of the standard policy (option ``sub_block_cache``), for blocks decoded in
-sub-blocks left to right (``sub_block_size``).
-
-A step computes the whole block when the block's KV is not written yet (its first step,
-or the first after a preemption freed it) or when the active sub-block (the leftmost one
-holding a mask) starts with a masked position: a new sub-block refreshes the block's KV.
-Otherwise it computes only the active sub-block's rows: their KV is rewritten inside the
-block, and they attend to the committed prefix and to the whole block's cached KV, the
-rest of it as the last refresh left it (stale: computed before the tokens decoded
-since). The commit of a completed block recomputes it whole, so committed KV stays exact.
-
-Where logits are shifted (Fast-dLLM v2: position j read from row j - 1), the active
-sub-block's first position is known in every step that computes only the sub-block, so
-each of its masked positions reads a row of the sub-block (``worker/shifted_plan.py``).
+"""Fast-dLLM v2's block cache (its ``use_block_cache``), the ``standard`` policy's option
+``sub_block_cache``: a step computes the whole block when the block's KV is not written
+yet or the active sub-block (the leftmost holding a mask) starts with a mask, else only
+the active sub-block's rows against the block's cached KV (partly stale). The commit
+recomputes the block whole, so committed KV stays exact. Shifted logits: each masked
+position of the sub-block reads a row of it (``worker/shifted_plan.py``).
 """
 
 from __future__ import annotations
@@ -55,9 +46,8 @@ class SubBlockCache:
         return BlockStepPlan(compute)
 
     def after_step(self, computed: torch.Tensor) -> None:
-        """computed: [B] bool, the positions whose logits the step read. A whole-block
-        plan writes the block's KV unless the step computed none of its rows (a shifted
-        model's step that reads the block's first position from the previous block's
-        last row, at that block's commit): the block's last position tells them apart."""
+        """computed: [B] bool, the positions whose logits the step read. A whole-block plan
+        writes the block's KV unless the step computed none of its rows (a shifted model's
+        step reading the block's first position at the previous block's commit)."""
         if self.planned_whole and bool(computed[-1]):
             self.written = True

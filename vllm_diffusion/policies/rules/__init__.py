@@ -1,27 +1,12 @@
 """Unmasking rules: which masked positions of a block a step commits. One module per rule,
-each a ``blocks.CommitRule`` with one batched ``step``, registered in ``RULES`` (the
-``strategy`` option's values, in this order):
-
-- ``low_confidence_dynamic`` (SDAR, the default), ``low_confidence_static``,
-  ``sequential``: by SDAR's quota of each step (``blocks.step_quota``: the block spread
-  over ``denoising_steps`` steps);
-- ``threshold`` (LMDeploy, SGLang): the most confident position and every one above the
-  threshold;
-- ``entropy_bounded`` (EB-sampler, Ben-Hamu et al., arXiv 2505.24857);
-- ``timestep_schedule`` (Dream's ``diffusion_generate``; some of its steps commit nothing
-  by design, ``CommitRule.idle``);
-- ``factor`` (Fast-dLLM's dynamic rule).
-
-Every rule finishes a block within its ``denoising_steps``. ``choose_commits`` decides a
-step's blocks, each by its own rule (one call per rule followed). Token editing
-(LLaDA2.1, ``token_editing.py``) and the rewriting loop of models whose edits move tokens
-(``joint_editing.py``) decide on filled tokens; ``policies/parts/strategy_unmasking.py``
-composes them into the step's decision. The plain per-block reference of every rule is
-``tests/reference_unmasking.py``; adding a rule: ``docs/extending.md``.
+each a ``blocks.CommitRule`` registered in ``RULES`` (the ``strategy`` option's values, in
+this order); ``choose_commits`` decides a step's blocks, each by its own rule. Token
+editing (``token_editing.py``) and the rewriting loop (``joint_editing.py``) decide on
+filled tokens; ``parts/strategy_unmasking.py`` composes them. The rules' semantics:
+docs/policies.md, "standard"; their plain reference: ``tests/reference_unmasking.py``.
 """
 
 from __future__ import annotations
-
 
 import torch
 

@@ -1,11 +1,7 @@
-"""What a commit rule sees (``RuleBlocks``: the step's blocks that follow it, stacked) and
-what it is (``CommitRule``: one batched ``step`` returning the positions to commit).
-
-The quantities several rules share (each block's masked confidence, its ranking, SDAR's
-quota, its last allowed step) are computed once per step, when a rule first asks for
-them. Rules that are cheap to decide in Python decide small steps on the host
-(``RuleBlocks.small``, ``RuleBlocks.on_host``): at batch 1 and block 4 a dozen tensor
-operations cost more than the decision itself.
+"""What a commit rule sees (``RuleBlocks``: the step's blocks that follow it, stacked, with
+the quantities rules share computed once, on first use) and what it is (``CommitRule``).
+Rules cheap to decide in Python decide small steps on the host (``HostPathRule``): at
+batch 1 and block 4 a dozen tensor operations cost more than the decision itself.
 """
 
 from __future__ import annotations
@@ -27,6 +23,14 @@ def step_quota(block_size: int, steps: int, step: int) -> int:
     if step >= steps:
         return block_size
     return block_size // steps + (1 if step < block_size % steps else 0)
+
+
+def rank_by_score(score: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(order, rank) [R, B]: each block's positions by score descending, and each
+    position's rank in that order (ties to the lower position); score: [R, B]."""
+    order = torch.sort(score, dim=1, descending=True, stable=True).indices
+    return order, torch.empty_like(order).scatter_(
+        1, order, torch.arange(score.shape[1]).expand_as(order).contiguous())
 
 
 def as_float32(value: float) -> float:
@@ -112,11 +116,7 @@ class RuleBlocks:
     def ranked(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(order, rank) [R, B] of the candidates by confidence, best first (ties to the
         lower position)."""
-        num_rows, block = self.candidates.shape
-        order = torch.sort(self.masked_confidence, dim=1, descending=True, stable=True).indices
-        rank = torch.empty_like(order).scatter_(
-            1, order, torch.arange(block).expand(num_rows, block).contiguous())
-        return order, rank
+        return rank_by_score(self.masked_confidence)
 
     @functools.cached_property
     def quota(self) -> torch.Tensor:  # [R, 1]: SDAR's quota of this step

@@ -1,21 +1,10 @@
-"""The ``entropy_bounded`` strategy's choice: the EB-sampler (Ben-Hamu et al., arXiv
-2505.24857, Algorithm 1).
-
-A step takes the block's masked positions in ``entropy_bounded_order`` and commits the
-longest prefix of that order whose summed entropy, minus the largest entropy in it, is at
-most ``entropy_bound`` (at least one position). The orders (``ENTROPY_BOUNDED_ORDERS``):
-
-- ``entropy`` (the default), lowest entropy first, as the public implementations order
-  them (SGLang's ``EBSampling``, JetEngine). The largest entropy of such a prefix is its
-  last, so a position is committed when the entropies before it sum to at most the
-  bound: SGLang's rule. JetEngine's stops a position earlier (the prefix's sum, its last
-  entropy included, stays below the bound).
-- ``confidence``, highest confidence (the proposal's probability) first.
-
-Ties go to the lower position. Entropy: of each position's proposal distribution (greedy:
-the softmax of its processed logits; sampled: the scaled, filtered distribution drawn
-from). ``tests/reference_eb_sampler.py`` is the plain reference of
-``entropy_bounded_commits``.
+"""The ``entropy_bounded`` strategy: the EB-sampler (Ben-Hamu et al., arXiv 2505.24857,
+Algorithm 1). A step commits the longest prefix of the masked positions, in
+``entropy_bounded_order``, whose summed entropy minus its largest is at most
+``entropy_bound`` (at least one); the orders and how they match the public
+implementations: docs/policies.md, "standard". Entropy is of each proposal's distribution
+(greedy: the softmax of its processed logits; sampled: the scaled, filtered one drawn
+from). Plain reference of ``entropy_bounded_commits``: ``tests/reference_eb_sampler.py``.
 """
 
 from __future__ import annotations

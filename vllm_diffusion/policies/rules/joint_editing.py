@@ -1,35 +1,7 @@
 """LLaDA2.2's joint decoding of a block: mask-to-token filling and token-to-token editing
 whose writes may be DELETE or SPLIT (a Levenshtein edit), as the published generation
-loop does it (``../shared/notes/llada22.md``; the ports agree on every rule here).
-
-Per block of length B (prompt-tail positions fixed; the other positions start as masks,
-the block's "original" masks, tracked as edits move them):
-
-- the originals are spread over ``denoising_steps`` steps (the quota schedule);
-- a step's post count is its predecessor's plus one while no original mask is left,
-  else 0;
-- mask-to-token: before the step budget, every mask whose proposal's probability exceeds
-  ``threshold`` (strictly) if there are at least quota + (masks that are not originals)
-  of them, else that many by confidence (ties: lower position); after it, every mask;
-- token-to-token: every generated (not prompt, not mask) position whose proposal differs
-  from its token with probability above ``editing_threshold`` (None: no such edit);
-- the final round (the post count reached ``max_post_steps``; with 0, this step chose
-  every remaining original): every mask is filled and no write may be DELETE or SPLIT
-  (such a write takes the best other token);
-- a block state seen before (outside the final round) makes up to five writes, chosen
-  at random, take their best other token (the anti-loop; random, so outputs where it
-  fires are compared by invariants only);
-- the edits apply left to right: DELETE drops its position, SPLIT at i becomes a new mask
-  followed by the token i held, the block is cut or padded with new masks back to B;
-- the block ends when a step changed nothing and no mask is left (stable end), when the
-  next step would start with no mask and a post count above ``max_post_steps`` (budget
-  end), or at ``max_steps_per_block``, whose step is a final round (the ports raise an
-  error there instead; this engine ends the block so that a request always finishes).
-
-Proposals exclude the mask token (as for every family here; the published loop leaves
-a proposed mask unspecified). Greedy only: the published loop samples mask-to-token
-writes but takes greedy edits, which this engine's one proposal per position cannot give
-both of; admission refuses temperature > 0.
+loop does it (``joint_step``, one step of one block; ``JointBlockState``, what the loop
+keeps between steps). The rules, one by one: docs/policies.md, "Where edits move tokens".
 """
 
 from __future__ import annotations
@@ -124,10 +96,8 @@ def best_other(alternatives: torch.Tensor, banned: set[int]) -> int:
 
 def joint_step(state: JointBlockState, old: torch.Tensor, proposals: torch.Tensor,
                confidence: torch.Tensor, alternatives: torch.Tensor, step: int,
-               config: Any, mask_id: int,
-               edit: EditTokens) -> JointStep:
-    """One step of the joint loop on one block (see the module docstring).
-
+               config: Any, mask_id: int, edit: EditTokens) -> JointStep:
+    """One step of the joint loop on one block (docs/policies.md, "Where edits move tokens").
     old: [B] the block; proposals, confidence: [B] greedy token and its probability;
     alternatives: [B, ALTERNATIVES] the best tokens in order; step: the block's steps so
     far; config: the request's ``parts.strategy_config.StrategyConfig``. Updates ``state``."""

@@ -1,20 +1,10 @@
-"""The ``timestep_schedule`` strategy's quota and ranking: Dream's ``diffusion_generate``.
-
-A block of ``steps`` denoising steps walks the timesteps ``linspace(1, eps, steps + 1)``
-(float32); at block step ``s`` (``t = timesteps[s]``, ``t_next = timesteps[s + 1]``) it
-unmasks ``int(M * (1 - t_next / t))`` of its M masked positions, computed in float32 as
-the published loop does (the truncation decides the count), and every remaining one at
-its last step (``s >= steps - 1``). The count is 0 at some steps (as many steps as masks:
-the first step's is ``int(M * 0.999 / M)`` = 0); such a step commits nothing by design
-(``TimestepSchedule.idle``), and the last step commits every mask left, so a
-block ends within ``steps`` steps.
-
-The positions unmasked are the top count by the published ``alg`` (``SCHEDULE_RANKINGS``):
-``maskgit_plus`` ranks by the proposal's probability (the engine's confidence: the
-argmax's probability when greedy, the drawn token's when sampled, as the published
-``sample_tokens``), ``entropy`` by the negative entropy of the position's proposal
-distribution. Ties go to the lower position (the published ``torch.topk`` leaves their
-order unspecified). Dream's ``topk_margin`` and ``origin`` are refused (``UNSERVED_ALGS``).
+"""The ``timestep_schedule`` strategy: Dream's ``diffusion_generate``. Block step s unmasks
+``int(M * (1 - t_{s+1} / t_s))`` of its M masks (timesteps ``linspace(1, eps, steps + 1)``,
+float32 as the published loop: the truncation decides the count), every one left at its
+last step; a step whose count is 0 commits nothing by design (``TimestepSchedule.idle``).
+The top count by ``alg`` are unmasked, ties to the lower position (the published
+``torch.topk`` leaves their order unspecified); ``maskgit_plus``'s probability is the
+engine's confidence (the argmax's when greedy, the drawn token's when sampled).
 """
 
 from __future__ import annotations
@@ -23,7 +13,7 @@ import functools
 
 import torch
 
-from vllm_diffusion.policies.rules.blocks import CommitRule, RuleBlocks
+from vllm_diffusion.policies.rules.blocks import CommitRule, RuleBlocks, rank_by_score
 
 # the published ``alg`` values the strategy ranks by
 SCHEDULE_RANKINGS = ("maskgit_plus", "entropy")
@@ -45,13 +35,9 @@ def timesteps(steps: int, eps: float) -> torch.Tensor:
 
 def batched_timestep_quota(num_masked: torch.Tensor, steps_taken: torch.Tensor,
                            steps_allowed: torch.Tensor, eps: torch.Tensor) -> torch.Tensor:
-    """[R] int64: the masked positions each block unmasks at its step:
-    ``int(M * (1 - t_{s+1} / t_s))``, every one at the last allowed step (plain
-    reference: ``tests/reference_unmasking.py``).
-
+    """[R] int64: the masked positions each block unmasks at its step (the module doc).
     num_masked, steps_taken, steps_allowed: [R] int64; eps: [R] float64 (the options'
-    values, so that the timesteps are exactly the published ones).
-    """
+    values, so that the timesteps are exactly the published ones)."""
     ratio = torch.zeros(len(num_masked), dtype=torch.float32)  # [R] 1 - t_next / t
     for steps, value in set(zip(steps_allowed.tolist(), eps.tolist())):
         group = (steps_allowed == steps) & (eps == value)  # one schedule: float32 as published
@@ -80,12 +66,8 @@ class TimestepSchedule(CommitRule):
                 raise ValueError("the timestep_schedule strategy's 'entropy' alg needs "
                                  "each proposal's entropy")
             score = torch.where(by_entropy[:, None], -blocks.entropy, score)
-        num_rows, block = blocks.candidates.shape
         score = torch.where(blocks.candidates, score, torch.full_like(score, float("-inf")))
-        by_score = torch.sort(score, dim=1, descending=True, stable=True).indices
-        score_rank = torch.empty_like(by_score).scatter_(
-            1, by_score, torch.arange(block).expand(num_rows, block).contiguous())
-        return (score_rank < self._quota(blocks)[:, None]) & blocks.candidates
+        return (rank_by_score(score)[1] < self._quota(blocks)[:, None]) & blocks.candidates
 
     def idle(self, blocks: RuleBlocks) -> list[bool]:
         """The blocks with candidates whose quota truncates to 0 before their last step."""

@@ -1,12 +1,7 @@
-"""LLaDA2.1's token editing (its ``generate`` loop with ``editing_threshold``): besides the
-masks a rule unmasks, a filled position of the block whose proposal differs from its
-token with probability above the request's ``editing_threshold`` takes the proposal; the
-block's tokens stay open to edits until it ends, so they are emitted then.
-
-The loop looks for masks at the start of each step: the step that fills the block's last
-mask is followed by post steps (steps that begin with no mask), and the block ends after a
-post step that edits nothing or after ``max_post_steps`` of them (with 0, right after the
-last mask is filled). The plain per-block reference: ``tests/reference_unmasking.py``.
+"""LLaDA2.1's token editing: a filled position of the block whose proposal differs from
+its token with probability above ``editing_threshold`` takes the proposal; the block ends
+after a post step (one that begins with no mask) that edits nothing or after
+``max_post_steps`` of them. Reference: ``tests/reference_unmasking.py``.
 """
 
 from __future__ import annotations
