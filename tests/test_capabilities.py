@@ -170,18 +170,17 @@ def test_shifted_logits_take_the_policies_that_keep_the_row_before_each_position
     assert refusal(shifted, POLICIES["standard"], {}) is None
     assert refusal(shifted, POLICIES["ada"], {}) is None
     assert refusal(shifted, POLICIES["standard"], {"chunk_size": 2, "chunk_reuse": True}) is None
-    for name in ("focus", "es", "elastic"):
+    for name in ("focus", "es", "elastic", "sparse_prefix"):
         assert refusal(shifted, POLICIES[name], {}) is None, name
     message = refusal(shifted, POLICIES["focus"], {"commit": "delayed"})
     assert message.startswith("the focus policy cannot serve Shifted: it computes whole "
                               "blocks only with its full budget"), message
     assert "Shifted's logits are shifted: each position's token is read from the row " \
            "before it" in message
-    for name, options in (("sparse_prefix", {}), ("ada", {"intra_block_cache": True})):
-        message = refusal(shifted, POLICIES[name], options)
-        assert message.startswith(f"the {name} policy cannot serve Shifted, whose logits "
-                                  f"are shifted"), message
-        assert "use the standard policy" in message
+    message = refusal(shifted, POLICIES["ada"], {"intra_block_cache": True})
+    assert message.startswith("the ada policy cannot serve Shifted, whose logits are "
+                              "shifted"), message
+    assert "use the standard policy" in message
 
 
 def test_fast_dllm_v2_declares_its_published_decoding():
@@ -198,8 +197,21 @@ def test_fast_dllm_v2_declares_its_published_decoding():
     assert refusal(model, POLICIES["ada"], {}) is None  # whole blocks
     assert refusal(model, POLICIES["ada"], {"intra_block_cache": True}).startswith(
         "the ada policy cannot serve Fast-dLLM v2, whose logits are shifted")
-    assert refusal(model, POLICIES["sparse_prefix"], {}).startswith(
-        "the sparse_prefix policy cannot serve Fast-dLLM v2, whose logits are shifted")
+    assert refusal(model, POLICIES["sparse_prefix"], {}) is None  # whole blocks
+
+
+def test_sparse_prefix_with_shifted_logits_is_served_block_causal_only():
+    """Its shifted-logits form is the block-causal one (``test_sparse_shifted.py``); a
+    full-attention model with shifted logits (Dream) is refused at start-up."""
+    from vllm_diffusion.models.full_attention_configs import DreamConfig
+
+    dream = DreamConfig(num_hidden_layers=2)
+    policy = POLICIES["sparse_prefix"](32, 7, POLICIES["sparse_prefix"].config_cls())
+    with pytest.raises(ValueError, match="the sparse_prefix policy cannot serve Dream: its "
+                       "selection is served with shifted logits under block-causal"):
+        policy.bind(model_capabilities(dream), dream, False)
+    policy.bind(model_capabilities(FastDLLMQwenConfig(num_hidden_layers=2)),
+                FastDLLMQwenConfig(num_hidden_layers=2), False)
 
 
 def test_full_attention_cache_modes_of_the_seed_methods():

@@ -43,18 +43,19 @@ class SparsePrefixConfig(StrategyConfig):
     @classmethod
     def traits(cls, options: Mapping[str, Any]) -> PolicyTraits:
         """Every forward computes whole blocks (only the attention's keys are selected);
-        under full attention it needs the dual cache."""
+        under full attention it needs the dual cache. Where logits are shifted, every
+        row of the block selects and attends sparsely (``plan_step``)."""
         # at delay 0 the selecting step is the block's first, its refresh
         if option_value(cls, options, "delay_steps") == 0:
             return PolicyTraits(
-                attention_regimes=("block_causal", "full"), cache_modes=(),
+                attention_regimes=("block_causal", "full"), cache_modes=(), shifted_logits=True,
                 cache_modes_reason=(
                     "option 'delay_steps' 0 would select at the block's first step, which "
                     "refreshes the whole sequence's KV under the dual cache; set it to 1 "
                     "or more"))
         return PolicyTraits(
             attention_regimes=("block_causal", "full"), cache_modes=("dual",),
-            cache_modes_reason=(
+            shifted_logits=True, cache_modes_reason=(
                 "Sparse-dLLM evicts from the KV cached outside the block, which "
                 "'recompute' does not keep and 'prefix' recomputes after the block"))
 
@@ -67,6 +68,10 @@ class SparsePrefixState:
     # [L, H_sel, k] int64 (model device), -1 where a layer has not selected yet
     kept: torch.Tensor | None = None
     kept_kv: list[KeptKV] | None = None
+    # shifted logits: this step reads the block's first token from the previous block's
+    # commit (dense, not one of the block's steps), and how many steps of the block did
+    reads_first_token: bool = False
+    first_token_steps: int = 0
 
     def forget_kv(self, num_layers: int) -> None:
         """The kept positions' KV is to be read anew (a new selection, or a preemption)."""
@@ -84,7 +89,9 @@ class SparsePrefixHooks(StepHooks):
                  scoring: list[tuple[int, SparsePrefixRequest, int]],
                  sparse: list[tuple[int, SparsePrefixRequest]]) -> None:
         self.layers = LayerHooks(preselect_keys=tuple(range(num_layers)))
-        self.block_rows = [0 if s.block_rows is None else len(s.block_rows)
+        # each request's rows of its block, the last of its rows: where logits are shifted
+        # the rows read run one short of them (the last row decodes the next block)
+        self.block_rows = [0 if s.block_rows is None else len(s.block_rows) + s.logits_shift
                            for s in step.requests]
         self.prefix_lens = [0 if s.request is None else s.request.canvas.start
                             for s in step.requests]
@@ -132,6 +139,10 @@ class SparsePrefixPolicy(StrategyPolicy[SparsePrefixConfig, SparsePrefixState]):
         self.num_kv_heads = 0
 
     def bind(self, model: ModelCapabilities, hf_config: Any, prefix_caching: bool) -> None:
+        if model.shifted_logits and model.attention == "full":
+            raise ValueError(f"the sparse_prefix policy cannot serve {model.family}: its "
+                             f"selection is served with shifted logits under block-causal "
+                             f"attention only; use the standard or es policy")
         super().bind(model, hf_config, prefix_caching)
         self.num_layers = hf_config.num_hidden_layers
         self.num_kv_heads = getattr(hf_config, "num_key_value_heads",
@@ -143,10 +154,13 @@ class SparsePrefixPolicy(StrategyPolicy[SparsePrefixConfig, SparsePrefixState]):
     def plan_step(self, request: SparsePrefixRequest, start: BlockStart) -> BlockStepPlan:
         # The kept lists index context positions, whose KV a preemption recomputes: a
         # resumed block keeps them and reads their KV anew.
+        state = request.policy_state
         if start == "new":
-            request.policy_state.kept = None
+            state.kept, state.first_token_steps = None, 0
         if start is not None:
-            request.policy_state.forget_kv(self.num_layers)
+            state.forget_kv(self.num_layers)
+        state.reads_first_token = (self.model.shifted_logits and
+                                   int(request.canvas.tokens[0]) == self.mask_token_id)
         return WHOLE_BLOCK
 
     def forward_hooks(self, step: ForwardStep) -> StepHooks | None:
@@ -156,10 +170,10 @@ class SparsePrefixPolicy(StrategyPolicy[SparsePrefixConfig, SparsePrefixState]):
             request = s.request
             if request is None or request.canvas.start == 0:
                 continue  # nothing before the block: nothing to select from
-            if full_attention and not s.block_only:
-                continue  # a refresh of the whole sequence: dense
             config, state = request.policy_config, request.policy_state
-            step_in_block = request.canvas.steps
+            if (full_attention and not s.block_only) or state.reads_first_token:
+                continue  # a refresh of the whole sequence, or a commit: dense
+            step_in_block = request.canvas.steps - state.first_token_steps
             if step_in_block < config.delay_steps:
                 continue
             if state.kept is None:  # the block's selection step
@@ -184,5 +198,7 @@ class SparsePrefixPolicy(StrategyPolicy[SparsePrefixConfig, SparsePrefixState]):
 
     def after_step(self, request: SparsePrefixRequest, masked_before: torch.Tensor,
                    computed: torch.Tensor, num_decoded: int, block_done: bool) -> None:
+        state = request.policy_state
+        state.first_token_steps += int(state.reads_first_token)
         if block_done:
-            request.policy_state.kept = request.policy_state.kept_kv = None
+            state.kept = state.kept_kv = None
